@@ -1,0 +1,150 @@
+"""KDA operator benchmark on CPU: ours (kimi_hf.ops.chunk_kda, torch path) against transformers'
+kimi_linear torch fallbacks (chunk_kimi_delta_attention and the token loop recurrent_kimi_delta_attention).
+
+    python benchmarks/kda.py                 # T in 512 ... 8192, B=1, H=4, K=V=64
+    python benchmarks/kda.py --quick         # T in 512, 1024, 2048, fewer repeats
+
+Prints one table per mode (forward, forward+backward): median time, peak memory (extra RSS of a
+fresh process running the call once) and our speed-up over each peer, then the scaling check
+time(8192) / time(2048). Nothing else should run on the machine meanwhile: timings on shared
+machines swing widely.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+IMPLS = ("ours", "hf_chunk", "hf_loop")
+
+
+def peers():
+    """transformers' pure-torch fallbacks (bypassing the hub-kernel / fla dispatch wrapper)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as m
+
+    unwrap = lambda f: getattr(f, "__wrapped__", f)  # noqa: E731
+    return unwrap(m.chunk_kimi_delta_attention), unwrap(m.recurrent_kimi_delta_attention)
+
+
+def make_inputs(T, H, K, V, requires_grad=False, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, H, K, generator=gen)
+    k = torch.nn.functional.normalize(torch.randn(1, T, H, K, generator=gen), dim=-1)
+    v = torch.randn(1, T, H, V, generator=gen)
+    # per-channel gates like a trained layer's: mostly mild, some channels decaying fast
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, H, K, generator=gen) * 2) * 2
+    beta = torch.rand(1, T, H, generator=gen)
+    xs = [q, k, v, g, beta]
+    return [x.requires_grad_(requires_grad) for x in xs]
+
+
+def runner(impl):
+    if impl == "ours":
+        from kimi_hf.ops import chunk_kda
+
+        return lambda q, k, v, g, b: chunk_kda(q, k, v, g, b, backend="torch")[0]
+    hf_chunk, hf_loop = peers()
+    if impl == "hf_chunk":
+        return lambda q, k, v, g, b: hf_chunk(q, k, v, g, b)[0]
+    return lambda q, k, v, g, b: hf_loop(q, k, v, g, b, initial_state=None, output_final_state=False)[0]
+
+
+def call(fn, xs, backward):
+    if backward:
+        fn(*xs).sum().backward()
+    else:
+        with torch.no_grad():
+            fn(*xs)
+
+
+def median_time(fn, xs, backward, repeats):
+    call(fn, xs, backward)  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        call(fn, xs, backward)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _status_kb(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def measure_peak():
+    """Resets the process's peak RSS (Linux clear_refs) and returns a function giving the extra
+    peak RSS in MB since then. CPU tensors have no allocator statistics; RSS is what users see."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    base = _status_kb("VmRSS")
+    return lambda: (_status_kb("VmHWM") - base) / 1024
+
+
+def peak_memory_mb(impl, T, H, K, V, backward):
+    """Extra peak RSS of a fresh process that runs the call once."""
+    code = (
+        "import json, sys, torch; sys.path[:0] = %r; import kda as b; "
+        "xs = b.make_inputs(%d, %d, %d, %d, %r); fn = b.runner(%r); "
+        "peak = b.measure_peak(); b.call(fn, xs, %r); print(json.dumps(peak()))"
+    ) % ([os.path.dirname(os.path.abspath(__file__))], T, H, K, V, backward, impl, backward)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    p.add_argument("--H", type=int, default=4)
+    p.add_argument("--K", type=int, default=64)
+    p.add_argument("--V", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--quick", action="store_true", help="T in 512, 1024, 2048 and 3 repeats")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--max-T-hf-chunk", type=int, default=4096, help="largest T for the slow chunked fallback")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.T, args.repeats = [512, 1024, 2048], 3
+    torch.set_flush_denormal(True)
+    print(f"# KDA on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"B=1 H={args.H} K={args.K} V={args.V}, fp32, median of {args.repeats}")
+    ours_times = {}
+    for backward in (False, True):
+        mode = "forward+backward" if backward else "forward"
+        print(f"\n## {mode}")
+        print("| T | ours ms | hf chunk ms | hf loop ms | ours MB | hf chunk MB | hf loop MB | vs hf chunk | vs hf loop |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for T in args.T:
+            res = {}
+            for impl in IMPLS:
+                if impl == "hf_chunk" and T > args.max_T_hf_chunk:
+                    res[impl] = (float("nan"), float("nan"))
+                    continue
+                xs = make_inputs(T, args.H, args.K, args.V, requires_grad=backward)
+                reps = args.repeats if impl == "ours" else max(1, min(3, args.repeats))
+                t = median_time(runner(impl), xs, backward, reps)
+                mem = float("nan") if args.no_memory else peak_memory_mb(impl, T, args.H, args.K, args.V, backward)
+                res[impl] = (t, mem)
+            ours_times[(backward, T)] = res["ours"][0]
+            (to, mo), (tc, mc), (tl, ml) = (res[i] for i in IMPLS)
+            print(f"| {T} | {to * 1e3:.1f} | {tc * 1e3:.1f} | {tl * 1e3:.1f} | {mo:.0f} | {mc:.0f} | {ml:.0f} "
+                  f"| {tc / to:.1f}x | {tl / to:.1f}x |", flush=True)
+    lo, hi = (2048, 8192) if {2048, 8192} <= set(args.T) else (min(args.T), max(args.T))
+    if hi > lo:
+        for backward in (False, True):
+            ratio = ours_times[(backward, hi)] / ours_times[(backward, lo)]
+            print(f"\nscaling ({'fwd+bwd' if backward else 'fwd'}): time({hi}) / time({lo}) = {ratio:.2f} "
+                  f"(linear: {hi / lo:.0f})")
+
+
+if __name__ == "__main__":
+    main()

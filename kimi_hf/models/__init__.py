@@ -1,0 +1,1 @@
+"""Model families. Each subfolder is flat and Hub-copyable (see models/kimi_hybrid)."""

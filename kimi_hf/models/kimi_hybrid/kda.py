@@ -367,7 +367,9 @@ def _local_forward(q, k, v, G2, beta):
     and Ut [n, H, C, V] (o = Qt S + Ut).
     """
     n, H, C, K = q.shape
-    P = torch.zeros(n, H, C, C, dtype=q.dtype, device=q.device)
+    # [K_end^T; A_qk] share one buffer so that both multiply [W | U] in a single matmul
+    KP = torch.empty(n, H, K + C, C, dtype=q.dtype, device=q.device)
+    P = KP[..., K:, :].zero_()
     torch.sum(q * k, -1, out=P.diagonal(dim1=-2, dim2=-1))
     L = {}  # half size -> quadrant of Diag(beta) A_kk
     for h in _halves(C):
@@ -381,12 +383,12 @@ def _local_forward(q, k, v, G2, beta):
     torch.mul(k, eG, out=R[..., :K]).mul_(beta)
     torch.mul(v, beta, out=R[..., K:])
     WU = X @ R
-    KWU = torch.exp2(G2_last - G2).mul_(k).transpose(-1, -2) @ WU  # K_end^T [W | U]
-    M = -KWU[..., :K]
+    KP[..., :K, :] = torch.exp2(G2_last - G2).mul_(k).transpose(-1, -2)
+    KPWU = KP @ WU  # [K_end^T W, K_end^T U; A_qk W, A_qk U]
+    M = KPWU[..., :K, :K].neg()
     M.diagonal(dim1=-2, dim2=-1).add_(G2_last.squeeze(2).exp2())
-    PWU = P @ WU
-    Qt = (q * eG).sub_(PWU[..., :K])
-    return X, P, WU, M, KWU[..., K:], Qt, PWU[..., K:]
+    Qt = (q * eG).sub_(KPWU[..., K:, :K])
+    return X, P, WU, M, KPWU[..., :K, K:], Qt, KPWU[..., K:, K:]
 
 
 def _local_backward(q, k, v, G2, beta, X, P, WU, S_in, dO, dS_next):
@@ -462,16 +464,20 @@ class _ChunkKDA(torch.autograd.Function):
         Nch, H, C, K = q.shape
         V = v.shape[-1]
         G2 = g.cumsum(2).mul_(_LOG2E)
+        need_grad = any(ctx.needs_input_grad[:6])
         new = functools.partial(torch.empty, dtype=q.dtype, device=q.device)
-        X, P, WU = new(Nch, H, C, C), new(Nch, H, C, C), new(Nch, H, C, K + V)
         M, Nst, Qt, Ut = new(Nch, H, K, K), new(Nch, H, K, V), new(Nch, H, C, K), new(Nch, H, C, V)
+        # X, P and [W | U] are kept for the backward only
+        X, P, WU = (new(Nch, H, C, C), new(Nch, H, C, C), new(Nch, H, C, K + V)) if need_grad else (None,) * 3
         for sl in _tiles(Nch, H * C * (K + V) * q.element_size()):
             for dst, src in zip((X, P, WU, M, Nst, Qt, Ut), _local_forward(q[sl], k[sl], v[sl], G2[sl], beta[sl])):
-                dst[sl] = src
+                if dst is not None:
+                    dst[sl] = src
         S_in, S_final = layout.scan(M, Nst, S0)
         o = torch.baddbmm(Ut.flatten(0, 1), Qt.flatten(0, 1), S_in.flatten(0, 1)).view_as(Ut)
-        ctx.save_for_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in)
-        ctx.layout = layout
+        if need_grad:
+            ctx.save_for_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in)
+            ctx.layout = layout
         return o, S_final
 
     @staticmethod

@@ -1,11 +1,35 @@
 """kimi_hf: the techniques behind Moonshot AI's Kimi K2.5 for the Hugging Face ecosystem.
 
-Public entry points so far:
-    kimi_hf.ops.chunk_kda / recurrent_kda   Kimi Delta Attention (training/prefill, decoding)
+    kimi_hf.ops.chunk_kda / recurrent_kda          Kimi Delta Attention (training/prefill, decoding)
+    kimi_hf.KimiHybridTextConfig, KimiHybridTextModel, KimiHybridForCausalLM
+                                                   the hybrid KDA/MLA/MoE decoder (Kimi Linear layout)
+
+Importing kimi_hf registers the models with transformers' Auto classes.
 """
 
 __version__ = "0.1.0"
 
-from . import ops  # noqa: E402
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-__all__ = ["ops", "__version__"]
+from . import ops
+from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
+from .models.kimi_hybrid.configuration_kimi_hybrid import KimiHybridTextConfig
+from .models.kimi_hybrid.modeling_kimi_hybrid import (
+    KimiHybridForCausalLM,
+    KimiHybridPreTrainedModel,
+    KimiHybridTextModel,
+)
+
+AutoConfig.register(KimiHybridTextConfig.model_type, KimiHybridTextConfig, exist_ok=True)
+AutoModel.register(KimiHybridTextConfig, KimiHybridTextModel, exist_ok=True)
+AutoModelForCausalLM.register(KimiHybridTextConfig, KimiHybridForCausalLM, exist_ok=True)
+
+__all__ = [
+    "ops",
+    "KimiHybridCache",
+    "KimiHybridTextConfig",
+    "KimiHybridPreTrainedModel",
+    "KimiHybridTextModel",
+    "KimiHybridForCausalLM",
+    "__version__",
+]

@@ -32,7 +32,7 @@ try:  # optional accelerator; the flat folder must load without it
 except ImportError:
     _triton_chunk_kda = _triton_recurrent_kda = None
 
-__all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "CHUNK_SIZE"]
+__all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "kda_gate", "CHUNK_SIZE"]
 
 CHUNK_SIZE = 64
 BACKENDS = (None, "torch", "reference", "triton")
@@ -48,6 +48,20 @@ def _warn_once(key: str, message: str) -> None:
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (the fla / transformers form, not F.normalize)."""
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """KDA's per-channel log-decay, in fp32: g = -exp(A_log[h]) * softplus(f + dt_bias).
+
+    f: [B, T, H, K] (the low-rank forget projection); A_log: [H]; dt_bias: [H * K] or None.
+    softplus is linear above 20 (torch's threshold), as in fla and transformers. No lower bound is
+    applied: Kimi-Linear was trained without one, so g can be very negative.
+    """
+    H, K = f.shape[-2:]
+    f = f.float()
+    if dt_bias is not None:
+        f = f + dt_bias.float().view(H, K)
+    return -A_log.float().exp().view(H, 1) * F.softplus(f)
 
 
 # --------------------------------------------------------------------------------------------

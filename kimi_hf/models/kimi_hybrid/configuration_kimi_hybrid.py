@@ -1,0 +1,170 @@
+"""Configuration of the hybrid KDA/MLA text model (Kimi Linear layout).
+
+Reads three spellings of the same model: ours, transformers' native `kimi_linear` (num_local_experts,
+n_group, mlp_layer_types, linear_num_heads, ...) and Moonshot's original config.json
+(`linear_attn_config` with 1-based `kda_layers` / `full_attn_layers`, num_experts,
+num_experts_per_token, num_shared_experts, moe_renormalize, first_k_dense_replace, ...).
+"""
+
+from __future__ import annotations
+
+from huggingface_hub.dataclasses import strict
+from transformers.configuration_utils import PreTrainedConfig
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
+MLP_LAYER_TYPES = ("dense", "sparse")  # SwiGLU, MoE
+
+
+def kimi_linear_layer_types(num_layers: int) -> list[str]:
+    """Kimi Linear's 3:1 pattern: MLA at every 4th layer (1-based 4, 8, ...) and at the last one."""
+    return ["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention" for i in range(num_layers)]
+
+
+@strict
+class KimiHybridTextConfig(PreTrainedConfig):
+    r"""
+    Hybrid decoder: each layer mixes tokens with Kimi Delta Attention ("linear_attention") or MLA
+    ("full_attention", no positional encoding), then applies a SwiGLU ("dense") or an MoE ("sparse").
+
+    Args (beyond the usual decoder ones):
+        layer_types: per-layer mixer, default Kimi Linear's 3:1 pattern.
+        mlp_layer_types: per-layer FFN, default dense for the first `first_k_dense_replace` layers.
+        linear_num_heads, linear_head_dim, linear_conv_kernel_dim: the KDA layers.
+        kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA.
+        num_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, n_group, topk_group,
+        routed_scaling_factor, norm_topk_prob: the DeepSeek-V3 style MoE (sigmoid router, noaux_tc).
+        router_aux_loss_coef: weight of the load-balancing loss added when `output_router_logits`.
+    """
+
+    model_type = "kimi_hybrid_text"
+    keys_to_ignore_at_inference = ["past_key_values"]
+    attribute_map = {
+        "num_local_experts": "num_experts",
+        "n_routed_experts": "num_experts",
+        "num_experts_per_token": "num_experts_per_tok",
+        "num_shared_experts": "n_shared_experts",
+        "moe_renormalize": "norm_topk_prob",
+        "num_expert_group": "n_group",
+        "model_max_length": "max_position_embeddings",
+    }
+    base_model_pp_plan = {
+        "embed_tokens": (["input_ids"], ["inputs_embeds"]),
+        "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
+        "norm": (["hidden_states"], ["hidden_states"]),
+    }
+
+    vocab_size: int = 163840
+    hidden_size: int = 2304
+    intermediate_size: int = 9216
+    moe_intermediate_size: int = 1024
+    num_hidden_layers: int = 27
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    kv_lora_rank: int = 512
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_nope: bool = True
+    num_experts: int = 256
+    num_experts_per_tok: int = 8
+    n_shared_experts: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 2.446
+    norm_topk_prob: bool = True
+    router_aux_loss_coef: float = 0.001
+    output_router_logits: bool = False
+    linear_num_heads: int = 32
+    linear_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    layer_types: list[str] | None = None
+    mlp_layer_types: list[str] | None = None
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 1048576
+    initializer_range: float = 0.02
+    rms_norm_eps: float = 1e-5
+    use_cache: bool = True
+    pad_token_id: int | None = 163839
+    bos_token_id: int | None = 163584
+    eos_token_id: int | list[int] | None = 163586
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    attention_dropout: float | int = 0.0
+
+    def __post_init__(self, **kwargs):
+        for alias, field in self.attribute_map.items():  # other spellings, applied before validation
+            if alias in kwargs:
+                setattr(self, field, kwargs.pop(alias))
+        # Moonshot's original config.json keeps the KDA settings in a sub-dict, layers 1-based
+        lac = kwargs.pop("linear_attn_config", None) or {}
+        self.linear_num_heads = lac.get("num_heads", self.linear_num_heads)
+        self.linear_head_dim = lac.get("head_dim", self.linear_head_dim)
+        self.linear_conv_kernel_dim = lac.get("short_conv_kernel_size", self.linear_conv_kernel_dim)
+        if self.layer_types is None:
+            if "kda_layers" in lac or "full_attn_layers" in lac:
+                types = [None] * self.num_hidden_layers
+                for name, key in (("linear_attention", "kda_layers"), ("full_attention", "full_attn_layers")):
+                    for layer in lac.get(key, []):
+                        if not 1 <= layer <= self.num_hidden_layers:
+                            raise ValueError(f"linear_attn_config.{key} lists layer {layer}, outside 1..{self.num_hidden_layers}")
+                        types[layer - 1] = name
+                if None in types:
+                    raise ValueError(f"linear_attn_config leaves layers {[i + 1 for i, t in enumerate(types) if t is None]} without a type")
+                self.layer_types = types
+            else:
+                self.layer_types = kimi_linear_layer_types(self.num_hidden_layers)
+        if self.mlp_layer_types is None:
+            k_dense = kwargs.pop("first_k_dense_replace", 1)
+            self.mlp_layer_types = ["dense" if i < k_dense else "sparse" for i in range(self.num_hidden_layers)]
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+        kwargs.pop("head_dim", None)  # written by transformers' kimi_linear; derived here
+        kwargs.pop("qk_head_dim", None)
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self._validate()  # before the base class: a plain ValueError naming the field
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        """Part of `@strict` validation (e.g. after attributes were changed)."""
+        self._validate()
+
+    def _validate(self):
+        """Every error names the field at fault."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts",
+                     "num_experts_per_tok", "n_group", "topk_group", "linear_num_heads", "linear_head_dim",
+                     "linear_conv_kernel_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.qk_rope_head_dim < 0:
+            raise ValueError(f"qk_rope_head_dim must be >= 0, got {self.qk_rope_head_dim}")
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank must be None or a positive integer, got {self.q_lora_rank}")
+        if not self.mla_use_nope:
+            raise ValueError("mla_use_nope=False (rotary MLA) is not supported: Kimi Linear's MLA uses no positional encoding")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
+                             f"({self.num_attention_heads}) for MLA")
+        for field, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+            types = getattr(self, field)
+            if len(types) != self.num_hidden_layers:
+                raise ValueError(f"{field} has {len(types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+            bad = sorted({t for t in types if t not in allowed})
+            if bad:
+                raise ValueError(f"{field} has unknown types {bad}; allowed: {list(allowed)}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) > num_experts ({self.num_experts})")
+        if self.num_experts % self.n_group:
+            raise ValueError(f"num_experts ({self.num_experts}) must be divisible by n_group ({self.n_group})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) > n_group ({self.n_group})")
+        if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
+                             f"({self.topk_group}) groups")
+        if self.rms_norm_eps <= 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+
+__all__ = ["KimiHybridTextConfig", "kimi_linear_layer_types", "LAYER_TYPES", "MLP_LAYER_TYPES"]

@@ -1,0 +1,517 @@
+"""The hybrid KDA/MLA/MoE decoder (Kimi Linear layout) as transformers classes.
+
+Layers are pre-norm blocks, x + Mixer(RMSNorm(x)) then x + FFN(RMSNorm(x)). The mixer is Kimi Delta
+Attention (`KimiDeltaAttention`, running on `kda.chunk_kda` / `kda.recurrent_kda`) or MLA without
+positional encoding (`KimiHybridMLA`); the FFN a SwiGLU or a DeepSeek-V3 style MoE.
+
+Packed inputs (several documents per row, position_ids restarting at 0, no attention mask) run KDA
+as variable-length sequences and mask MLA per document: nothing leaks across documents.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.cache_utils import Cache
+from transformers.generation import GenerationMixin
+from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, find_packed_sequence_indices
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs, can_return_tuple
+from transformers.utils.generic import merge_with_config_defaults
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
+
+from .cache_kimi_hybrid import KimiHybridCache
+from .configuration_kimi_hybrid import KimiHybridTextConfig
+from .kda import chunk_kda, kda_gate, recurrent_kda
+
+# Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
+_RECURRENT_MAX_TOKENS = 8
+
+
+class KimiHybridRMSNorm(nn.Module):
+    """RMSNorm computed in fp32; the weight multiplies the result cast back to the input dtype."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class KimiHybridGatedRMSNorm(nn.Module):
+    """KDA's output norm: RMSNorm over head_dim (one weight shared by all heads) times sigmoid(gate), fp32."""
+
+    def __init__(self, head_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
+
+
+@dataclass
+class PackedSequences:
+    """Document structure of packed inputs, computed once per forward.
+
+    pos_in_doc [B, T]: index of each token inside its document (restarts at 0);
+    cu_seqlens [N + 1]: document offsets over the flattened B * T tokens (FlashAttention convention);
+    last_doc [B]: index of each row's last document (for the per-row cached state).
+    """
+
+    pos_in_doc: torch.Tensor
+    cu_seqlens: torch.Tensor
+    last_doc: torch.Tensor
+
+    @classmethod
+    def from_position_ids(cls, position_ids: torch.Tensor, batch_size: int) -> "PackedSequences | None":
+        if position_ids.shape[0] != batch_size:
+            position_ids = position_ids.expand(batch_size, -1)
+        doc = find_packed_sequence_indices(position_ids)
+        if doc is None:
+            return None
+        B, T = doc.shape
+        t = torch.arange(T, device=doc.device).expand(B, T)
+        is_start = torch.ones_like(doc, dtype=torch.bool)
+        is_start[:, 1:] = doc[:, 1:] != doc[:, :-1]
+        pos_in_doc = t - torch.where(is_start, t, torch.zeros_like(t)).cummax(dim=1).values
+        starts = is_start.flatten().nonzero().flatten()
+        cu_seqlens = torch.cat([starts, starts.new_tensor([B * T])])
+        last_doc = is_start.sum(1).cumsum(0) - 1
+        return cls(pos_in_doc, cu_seqlens, last_doc)
+
+
+def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None = None, pos_in_doc: torch.Tensor | None = None):
+    """Depthwise causal convolution followed by SiLU.
+
+    x [B, T, D]; weight [D, 1, W] (tap W-1 multiplies the current token); left [B, W-1, D]: the inputs
+    before x (a cached state; zeros when None); pos_in_doc [B, T]: with packed documents, taps that
+    would reach before the token's document start are dropped.
+    """
+    W, T = weight.shape[-1], x.shape[1]
+    w = weight[:, 0, :].to(x.dtype)
+    xe = torch.cat([left.to(x.dtype), x], 1) if left is not None else F.pad(x, (0, 0, W - 1, 0))
+    y = x * w[:, W - 1]
+    for j in range(1, W):
+        tap = xe[:, W - 1 - j : W - 1 - j + T] * w[:, W - 1 - j]
+        if pos_in_doc is not None:
+            tap = tap * (pos_in_doc >= j).unsqueeze(-1).to(x.dtype)
+        y = y + tap
+    return F.silu(y)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention layer (SPEC 1.2):
+        q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
+        g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
+        o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
+    """
+
+    def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.head_dim = config.linear_num_heads, config.linear_head_dim
+        self.conv_size = config.linear_conv_kernel_dim
+        hidden, dim = config.hidden_size, self.num_heads * self.head_dim
+        self.q_proj = nn.Linear(hidden, dim, bias=False)
+        self.k_proj = nn.Linear(hidden, dim, bias=False)
+        self.v_proj = nn.Linear(hidden, dim, bias=False)
+        conv = lambda: nn.Conv1d(dim, dim, self.conv_size, groups=dim, bias=False)  # noqa: E731
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
+        self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.dt_bias = nn.Parameter(torch.empty(dim))
+        self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        self.o_norm = KimiHybridGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.o_proj = nn.Linear(dim, hidden, bias=False)
+
+    def _convolve(self, x: torch.Tensor, cache: Cache | None, packed: PackedSequences | None):
+        """q, k, v projections through their short convolutions; keeps the last W-1 inputs in the cache."""
+        mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3D]
+        caching = cache is not None and self.conv_size > 1
+        prev = cache.get_conv_state(self.layer_idx) if caching else None  # [B, 3D, W-1], updated in place below
+        left = (None,) * 3 if prev is None else prev.transpose(1, 2).chunk(3, -1)
+        pos = packed.pos_in_doc if packed is not None else None
+        convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
+        out = [short_conv(m, conv.weight, l, pos) for m, l, conv in zip(mixed.chunk(3, -1), left, convs)]
+        if caching:
+            cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_size - 1)
+        return out
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, packed: PackedSequences | None = None, **kwargs):
+        if attention_mask is not None:  # 2D padding mask: padded tokens become no-ops (k = v = 0)
+            hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
+        B, T, _ = hidden_states.shape
+        shape = (B, T, self.num_heads, self.head_dim)
+        q, k, v = (t.view(shape) for t in self._convolve(hidden_states, past_key_values, packed))
+        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).view(shape), self.A_log, self.dt_bias)
+        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
+        keep = past_key_values is not None
+        if packed is not None:  # documents as variable-length sequences of one flattened row
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
+            o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=keep, use_qk_l2norm=True)
+            o, S = o.view(B, T, *o.shape[2:]), (S[packed.last_doc] if keep else None)
+        elif state is not None and T <= _RECURRENT_MAX_TOKENS:
+            o, S = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+        else:
+            o, S = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=keep, use_qk_l2norm=True)
+        if keep:
+            past_key_values.update_recurrent_state(S, self.layer_idx)
+        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
+        return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+
+
+def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
+    """query/key [B, H, T|S, D], value [B, H, S, Dv] -> output [B, T, H, Dv], weights [B, H, T, S]."""
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        scores = scores + attention_mask
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+class KimiHybridMLA(nn.Module):
+    """Multi-head Latent Attention without positional encoding (Kimi Linear's MLA).
+
+    The cache keeps the compressed latent (kv_lora_rank normalised values + the qk_rope_head_dim
+    key part shared by all heads); kv_b_proj expands it to per-head keys and values at each call.
+    """
+
+    def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
+        super().__init__()
+        self.config, self.layer_idx = config, layer_idx
+        self.num_heads = config.num_attention_heads
+        self.num_key_value_groups = 1
+        self.is_causal = True
+        self.attention_dropout = config.attention_dropout
+        self.q_lora_rank, self.kv_lora_rank = config.q_lora_rank, config.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = config.qk_nope_head_dim, config.qk_rope_head_dim
+        self.qk_head_dim, self.v_head_dim = config.qk_head_dim, config.v_head_dim
+        hidden = config.hidden_size
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=config.attention_bias)
+            self.q_a_layernorm = KimiHybridRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias)
+        self.kv_a_layernorm = KimiHybridRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.attention_bias)
+        self.scaling = self.qk_head_dim**-0.5
+
+    def project_query(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, T, hidden] -> queries [B, H, T, qk_head_dim]."""
+        q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)
+
+    def expand_latent(self, latent: torch.Tensor, k_rope: torch.Tensor):
+        """latent [B, 1, S, kv_lora_rank], k_rope [B, 1, S, rope] -> keys [B, H, S, qk], values [B, H, S, v]."""
+        B, _, S, _ = latent.shape
+        kv = self.kv_b_proj(latent[:, 0]).view(B, S, self.num_heads, -1).transpose(1, 2)
+        k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        key = torch.cat([k_nope, k_rope.expand(B, self.num_heads, S, -1)], dim=-1)
+        return key, value
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                past_key_values: Cache | None = None, **kwargs):
+        B, T, _ = hidden_states.shape
+        query = self.project_query(hidden_states)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent).view(B, 1, T, self.kv_lora_rank)
+        k_rope = k_rope.view(B, 1, T, self.qk_rope_head_dim)
+        if past_key_values is not None:  # the cache stores the compressed latent, not per-head keys
+            latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
+        key, value = self.expand_latent(latent, k_rope)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        out, weights = attention(self, query, key, value, attention_mask,
+                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        return self.o_proj(out.reshape(B, T, -1)), weights
+
+
+class KimiHybridMLP(nn.Module):
+    """SwiGLU: down(act(gate(x)) * up(x))."""
+
+    def __init__(self, config: KimiHybridTextConfig, intermediate_size: int | None = None):
+        super().__init__()
+        inter = intermediate_size or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
+        self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+
+
+class KimiHybridRouter(nn.Module):
+    """DeepSeek-V3 noaux_tc router: fp32 logits, sigmoid scores, experts chosen on scores +
+    e_score_correction_bias (within the best topk_group groups), weighted by the uncorrected scores
+    of the chosen experts (renormalised if norm_topk_prob) times routed_scaling_factor."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__()
+        self.top_k, self.num_experts = config.num_experts_per_tok, config.num_experts
+        self.n_group, self.topk_group = config.n_group, config.topk_group
+        self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+
+    def forward(self, x: torch.Tensor):
+        """x [N, hidden] -> router_logits [N, E] fp32, weights [N, k] fp32, expert indices [N, k]."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores = logits.sigmoid()
+        choice = scores + self.e_score_correction_bias.float()
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
+        indices = choice.topk(self.top_k, dim=-1).indices
+        weights = scores.gather(1, indices)
+        if self.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return logits, weights * self.routed_scaling_factor, indices
+
+
+class KimiHybridExperts(nn.Module):
+    """Routed SwiGLU experts stored stacked: gate_up_proj [E, 2I, hidden] (gate rows first),
+    down_proj [E, hidden, I]. Tokens are grouped by expert (one sort), so each expert runs one matmul."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__()
+        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        self.num_experts = E
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        self.act_fn = ACT2FN[config.hidden_act]
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]; indices, weights [N, k] -> [N, hidden]."""
+        k = indices.shape[1]
+        flat = indices.flatten()
+        order = flat.argsort(stable=True)
+        token = order // k
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        xs = x[token]
+        outs = []
+        for e, seg in enumerate(xs.split(counts)):
+            if counts[e]:
+                gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
+                outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        y = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
+class KimiHybridMoE(nn.Module):
+    """Routed experts plus always-on shared experts."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__()
+        self.gate = KimiHybridRouter(config)
+        self.experts = KimiHybridExperts(config)
+        self.shared_experts = (KimiHybridMLP(config, config.moe_intermediate_size * config.n_shared_experts)
+                               if config.n_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        _, weights, indices = self.gate(flat)
+        y = self.experts(flat, indices, weights).view_as(x)
+        return y + self.shared_experts(x) if self.shared_experts is not None else y
+
+
+class KimiHybridDecoderLayer(GradientCheckpointingLayer):
+    def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
+        super().__init__()
+        self.layer_type = config.layer_types[layer_idx]
+        self.self_attn = (KimiHybridMLA(config, layer_idx) if self.layer_type == "full_attention"
+                          else KimiDeltaAttention(config, layer_idx))
+        self.mlp = KimiHybridMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiHybridMLP(config)
+        self.input_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                packed: PackedSequences | None = None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+        h = self.input_layernorm(hidden_states)
+        if self.layer_type == "full_attention":
+            h, _ = self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
+        else:
+            h = self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, packed=packed)
+        hidden_states = hidden_states + h
+        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+
+
+class KimiHybridPreTrainedModel(PreTrainedModel):
+    config: KimiHybridTextConfig
+    config_class = KimiHybridTextConfig
+    base_model_prefix = "model"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiHybridDecoderLayer"]
+    _skip_keys_device_placement = ["past_key_values"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+    _is_stateful = True
+    _can_record_outputs = {
+        "router_logits": OutputRecorder(KimiHybridRouter, index=0),
+        "hidden_states": KimiHybridDecoderLayer,
+        "attentions": OutputRecorder(KimiHybridMLA, index=1),
+    }
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        std = self.config.initializer_range
+        if isinstance(module, KimiDeltaAttention):  # SPEC 1.2 / fla
+            init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
+            dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
+            init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
+        elif isinstance(module, KimiHybridExperts):
+            init.normal_(module.gate_up_proj, mean=0.0, std=std)
+            init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KimiHybridRouter):
+            init.normal_(module.weight, mean=0.0, std=std)
+            init.zeros_(module.e_score_correction_bias)
+        elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm)):
+            init.ones_(module.weight)
+
+
+class KimiHybridTextModel(KimiHybridPreTrainedModel):
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
+        self.layers = nn.ModuleList([KimiHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
+        self.norm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    @merge_with_config_defaults
+    @capture_outputs
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("Pass exactly one of input_ids and inputs_embeds")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_tokens(input_ids)
+        B, T = inputs_embeds.shape[:2]
+        if use_cache and past_key_values is None:
+            past_key_values = KimiHybridCache(config=self.config)
+        past_seen = _cached_length(past_key_values)
+        if position_ids is None:
+            position_ids = (torch.arange(T, device=inputs_embeds.device) + past_seen).unsqueeze(0)
+
+        # Packed documents (position_ids restart, no padding mask, nothing cached yet): KDA runs them
+        # as varlen sequences, and the MLA mask is built per document.
+        packed = None
+        if attention_mask is None and past_seen == 0:
+            packed = PackedSequences.from_position_ids(position_ids, B)
+        mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                       "past_key_values": None if packed is not None else past_key_values, "position_ids": position_ids}
+        masks = {"full_attention": create_causal_mask(**mask_kwargs),
+                 "linear_attention": create_recurrent_attention_mask(**mask_kwargs)}
+
+        hidden_states = inputs_embeds
+        for layer in self.layers:
+            hidden_states = layer(hidden_states, attention_mask=masks[layer.layer_type], position_ids=position_ids,
+                                  past_key_values=past_key_values, packed=packed, **kwargs)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+
+
+def _cached_length(cache: Cache | None) -> int:
+    """Tokens already in the cache. A cache without MLA layers does not count tokens: then only
+    whether anything is cached matters (KDA uses no positions)."""
+    if cache is None:
+        return 0
+    try:
+        return cache.get_seq_length()
+    except ValueError:
+        return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers))
+
+
+def router_load_balancing_loss(router_logits, top_k: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-style auxiliary loss for sigmoid routers: E * sum_e f_e * P_e, with f_e the fraction of
+    (non-padding) token slots routed to expert e and P_e its mean normalised score, over all MoE layers."""
+    logits = torch.cat([r.float() for r in router_logits], dim=0)  # [L * N, E]
+    E = logits.shape[-1]
+    probs = logits.sigmoid()
+    probs = probs / probs.sum(-1, keepdim=True)
+    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, E).sum(1).float() / top_k  # [L * N, E]
+    if attention_mask is not None and attention_mask.ndim == 2:
+        keep = attention_mask.reshape(-1).to(probs.device).repeat(len(router_logits)).float()[:, None]
+        if keep.shape[0] == probs.shape[0]:
+            return E * ((chosen * keep).sum(0) / keep.sum() * (probs * keep).sum(0) / keep.sum()).sum()
+    return E * (chosen.mean(0) * probs.mean(0)).sum()
+
+
+class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__(config)
+        self.model = KimiHybridTextModel(config)
+        self.vocab_size = config.vocab_size
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    @can_return_tuple
+    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
+                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
+                use_cache: bool | None = None, output_router_logits: bool | None = None,
+                logits_to_keep: int | torch.Tensor = 0, **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
+        if output_router_logits is None:
+            output_router_logits = self.config.output_router_logits
+        outputs: MoeModelOutputWithPast = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
+            output_router_logits=output_router_logits, **kwargs)
+        hidden_states = outputs.last_hidden_state
+        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = self.lm_head(hidden_states[:, keep, :])
+        loss = aux_loss = None
+        if labels is not None:
+            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+        if output_router_logits and outputs.router_logits:
+            aux_loss = router_load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, attention_mask)
+            if loss is not None:
+                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
+                                         past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                                         attentions=outputs.attentions, router_logits=outputs.router_logits)
+
+
+__all__ = [
+    "KimiHybridPreTrainedModel",
+    "KimiHybridTextModel",
+    "KimiHybridForCausalLM",
+    "KimiDeltaAttention",
+    "KimiHybridMLA",
+    "KimiHybridMoE",
+]

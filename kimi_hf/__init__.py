@@ -15,6 +15,7 @@ from . import ops
 from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
 from .models.kimi_hybrid.configuration_kimi_hybrid import KimiHybridTextConfig
 from .models.kimi_hybrid.modeling_kimi_hybrid import (
+    LORA_TARGET_MODULES,
     KimiHybridForCausalLM,
     KimiHybridPreTrainedModel,
     KimiHybridTextModel,
@@ -26,6 +27,7 @@ AutoModelForCausalLM.register(KimiHybridTextConfig, KimiHybridForCausalLM, exist
 
 __all__ = [
     "ops",
+    "LORA_TARGET_MODULES",
     "KimiHybridCache",
     "KimiHybridTextConfig",
     "KimiHybridPreTrainedModel",

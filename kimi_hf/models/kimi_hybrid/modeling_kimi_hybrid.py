@@ -34,6 +34,13 @@ from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .kda import chunk_kda, kda_gate, recurrent_kda
 
+# PEFT LoRA targets recommended for the hybrid model: the KDA and MLA projections and the dense /
+# shared-expert SwiGLUs (routed experts are stacked parameters, not nn.Linear).
+LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
+                       "gate_proj", "up_proj", "down_proj"]
+
+# Up to this many new tokens on top of a longer cache, MLA attends over the latent (absorbed form).
+_ABSORBED_MAX_TOKENS = 16
 # Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
 _RECURRENT_MAX_TOKENS = 8
 
@@ -238,6 +245,31 @@ class KimiHybridMLA(nn.Module):
         key = torch.cat([k_nope, k_rope.expand(B, self.num_heads, S, -1)], dim=-1)
         return key, value
 
+    def absorbed_attention(self, query, latent, k_rope, attention_mask):
+        """Decoding without expanding the cache: kv_b_proj is folded into the query and the output,
+        q_nope . (W_k c_j) = (W_k^T q_nope) . c_j and sum_j p_j W_v c_j = W_v sum_j p_j c_j, so each
+        head attends over the shared latent [S, kv_lora_rank + rope] (MQA-like): O(S * rank) per
+        step instead of running kv_b_proj over all S cached tokens.
+        query [B, H, T, qk]; latent [B, 1, S, R]; k_rope [B, 1, S, rope] -> [B, T, H, v]."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+        q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_k), q_rope], dim=-1)
+        k = torch.cat([latent, k_rope], dim=-1)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [B, H, T, S]
+        T, S = scores.shape[-2:]
+        if attention_mask is None and T > 1:  # sdpa may skip the mask; the new tokens are causal
+            attention_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if attention_mask is not None:
+            mask = attention_mask[..., :S]
+            if mask.dtype == torch.bool:  # sdpa-style masks: True = attend
+                scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+            else:
+                scores = scores + mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out = torch.einsum("bhtr,hvr->bthv", torch.matmul(probs, latent), w_v)
+        return out
+
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 past_key_values: Cache | None = None, **kwargs):
         B, T, _ = hidden_states.shape
@@ -247,10 +279,21 @@ class KimiHybridMLA(nn.Module):
         k_rope = k_rope.view(B, 1, T, self.qk_rope_head_dim)
         if past_key_values is not None:  # the cache stores the compressed latent, not per-head keys
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
+            if T <= _ABSORBED_MAX_TOKENS < latent.shape[2] and type(self.kv_b_proj) is nn.Linear \
+                    and not kwargs.get("output_attentions"):
+                return self.o_proj(self.absorbed_attention(query, latent, k_rope, attention_mask).reshape(B, T, -1)), None
         key, value = self.expand_latent(latent, k_rope)
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        impl = self.config._attn_implementation
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
+        # fall back to the math path (5x slower on CPU at T=2048): pad v with zeros, slice after.
+        pad = self.qk_head_dim - self.v_head_dim if impl == "sdpa" else 0
+        if pad > 0:
+            value = F.pad(value, (0, pad))
         out, weights = attention(self, query, key, value, attention_mask,
                                  dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        if pad > 0:
+            out = out[..., : self.v_head_dim]
         return self.o_proj(out.reshape(B, T, -1)), weights
 
 
@@ -508,6 +551,7 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
 
 
 __all__ = [
+    "LORA_TARGET_MODULES",
     "KimiHybridPreTrainedModel",
     "KimiHybridTextModel",
     "KimiHybridForCausalLM",

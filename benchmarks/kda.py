@@ -20,7 +20,9 @@ import subprocess
 import sys
 import time
 
-import torch
+sys.modules.setdefault("fla", None)  # the peers are transformers' torch fallbacks; keep fla's CPU warning out
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -93,7 +95,7 @@ def measure_peak():
 def peak_memory_mb(impl, T, H, K, V, backward):
     """Extra peak RSS of a fresh process that runs the call once."""
     code = (
-        "import json, sys, torch; sys.path[:0] = %r; import kda as b; "
+        "import json, sys; sys.modules['fla'] = None; import torch; sys.path[:0] = %r; import kda as b; "
         "xs = b.make_inputs(%d, %d, %d, %d, %r); fn = b.runner(%r); "
         "peak = b.measure_peak(); b.call(fn, xs, %r); print(json.dumps(peak()))"
     ) % ([os.path.dirname(os.path.abspath(__file__))], T, H, K, V, backward, impl, backward)
@@ -111,6 +113,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="T in 512, 1024, 2048 and 3 repeats")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--max-T-hf-chunk", type=int, default=4096, help="largest T for the slow chunked fallback")
+    p.add_argument("--max-T-peer-backward", type=int, default=4096,
+                   help="largest T for the peers' forward+backward (the token loop's autograd takes minutes at 8192)")
     args = p.parse_args(argv)
     if args.quick:
         args.T, args.repeats = [512, 1024, 2048], 3
@@ -126,7 +130,8 @@ def main(argv=None):
         for T in args.T:
             res = {}
             for impl in IMPLS:
-                if impl == "hf_chunk" and T > args.max_T_hf_chunk:
+                if (impl == "hf_chunk" and T > args.max_T_hf_chunk) or (
+                        impl != "ours" and backward and T > args.max_T_peer_backward):
                     res[impl] = (float("nan"), float("nan"))
                     continue
                 xs = make_inputs(T, args.H, args.K, args.V, requires_grad=backward)

@@ -202,6 +202,39 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
+def attention_max_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
+                         block: int = 256) -> torch.Tensor:
+    """Exact per-head max over batch, queries and allowed keys of scaling * q.k, in row blocks and
+    without gradient (QK-Clip's record). query [B, H, T, D], key [B, H, S, D]; attention_mask:
+    additive float or boolean (True = attend), or None for a causal mask."""
+    with torch.no_grad():
+        B, H, T, _ = query.shape
+        S = key.shape[2]
+        best = torch.full((H,), float("-inf"), device=query.device)
+        for start in range(0, T, block):
+            q = query[:, :, start : start + block].float()
+            s = torch.matmul(q, key.float().transpose(-1, -2)) * scaling
+            if attention_mask is not None:
+                m = attention_mask[..., start : start + block, :S]
+                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
+            else:
+                rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None] + (S - T)
+                s = s.masked_fill(torch.arange(S, device=q.device)[None, :] > rows, float("-inf"))
+            best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
+        return best
+
+
+def sdpa_cpu_with_lse(query, key, value, attention_mask, scaling):
+    """CPU fused attention that also returns the row log-sum-exp [B, H, T] (free upper bound of
+    the max logit: max <= lse <= max + log(keys)). Returns output [B, T, H, Dv] and lse."""
+    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the kernel takes additive masks
+        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~attention_mask, torch.finfo(query.dtype).min)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, 0.0, attention_mask is None and query.shape[2] > 1, attn_mask=attention_mask, scale=scaling)
+    return out.transpose(1, 2), lse
+
+
 class KimiHybridMLA(nn.Module):
     """Multi-head Latent Attention without positional encoding (Kimi Linear's MLA).
 
@@ -231,6 +264,27 @@ class KimiHybridMLA(nn.Module):
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.attention_bias)
         self.scaling = self.qk_head_dim**-0.5
+        self.max_logit_recorder = None  # set by kimi_hf.optim.QKClip: per-head max logits in training
+
+    @torch.no_grad()
+    def apply_qk_clip(self, gamma: torch.Tensor) -> None:
+        """QK-Clip for MLA: head h's logits scale by gamma[h]. Its q-nope rows and the k-nope rows of
+        kv_b_proj scale by sqrt(gamma), its rope query rows by gamma; the rope key, shared by all
+        heads, is never touched."""
+        H, nope, rope, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        gamma = gamma.float()
+        root = gamma.sqrt()[:, None]
+        q_rows = torch.cat([root.expand(H, nope), gamma[:, None].expand(H, rope)], 1).flatten()
+        kv_rows = torch.cat([root.expand(H, nope), torch.ones(H, v, device=gamma.device)], 1).flatten()
+        q_weight = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight
+        for weight, rows in ((q_weight, q_rows), (self.kv_b_proj.weight, kv_rows)):
+            local = weight.to_local() if hasattr(weight, "to_local") else weight
+            if local.shape[0] != rows.shape[0]:  # FSDP2 shard on dim 0: this rank's rows (torch.chunk split)
+                from torch.distributed.tensor import DTensor  # noqa: F401  (only reached with DTensors)
+
+                mesh = weight.device_mesh
+                rows = rows.chunk(mesh.size(0))[mesh.get_local_rank()]
+            local.mul_(rows.to(local.device, local.dtype)[:, None])
 
     def project_query(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, T, hidden] -> queries [B, H, T, qk_head_dim]."""
@@ -284,14 +338,22 @@ class KimiHybridMLA(nn.Module):
                 return self.o_proj(self.absorbed_attention(query, latent, k_rope, attention_mask).reshape(B, T, -1)), None
         key, value = self.expand_latent(latent, k_rope)
         impl = self.config._attn_implementation
-        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
         # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
         # fall back to the math path (5x slower on CPU at T=2048): pad v with zeros, slice after.
         pad = self.qk_head_dim - self.v_head_dim if impl == "sdpa" else 0
         if pad > 0:
             value = F.pad(value, (0, pad))
-        out, weights = attention(self, query, key, value, attention_mask,
-                                 dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        record = self.training and self.max_logit_recorder is not None
+        dropout = 0.0 if not self.training else self.attention_dropout
+        if record and impl == "sdpa" and query.device.type == "cpu" and not dropout:
+            out, lse = sdpa_cpu_with_lse(query, key, value, attention_mask, self.scaling)
+            self.max_logit_recorder.record(self, lse.detach().amax(dim=(0, 2)))
+            weights = None
+        else:
+            if record:
+                self.max_logit_recorder.record(self, attention_max_logits(query, key, attention_mask, self.scaling))
+            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+            out, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
         if pad > 0:
             out = out[..., : self.v_head_dim]
         return self.o_proj(out.reshape(B, T, -1)), weights

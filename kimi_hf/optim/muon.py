@@ -1,0 +1,296 @@
+"""MuonClip: Muon for hidden matrices + AdamW for everything else, one torch optimizer.
+
+Muon step for a matrix W [A, B] (or a batch [E, A, B] of expert matrices, each orthogonalised):
+    buf <- mu * buf + (1 - mu) * g                  (fp32 momentum, never touched in place afterwards)
+    M = g + mu * (buf - g)  if nesterov else buf     (= g.lerp(buf, mu))
+    O = NewtonSchulz5(M)                             (~ U V^T, singular values in ~[0.5, 1.5])
+    W <- W * (1 - lr * wd) - lr * 0.2 * sqrt(max(A, B)) * O      (Moonlight: AdamW's update RMS)
+Other parameter groups get AdamW with the same lr and weight decay. With QK-Clip attached
+(`from_model(..., qk_clip_tau=...)` or `attach_qk_clip`), attention heads whose max pre-softmax
+logit exceeded tau are rescaled after every step (see qk_clip.py).
+
+Distributed: under DDP (replicated parameters, gradients already all-reduced) every rank keeps the
+momentum of every matrix but orthogonalises only its own share (matrices dealt round-robin), and
+one all-reduce of the flat update buffer shares the results: identical to a single-process step.
+Under FSDP2 (DTensor parameters sharded on dim 0) each matrix's momentum-updated gradient is
+all-gathered once, orthogonalised whole, and each rank keeps its rows.
+"""
+
+from __future__ import annotations
+
+import math
+import torch
+import torch.distributed as dist
+from torch import nn
+
+try:
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover
+    DTensor = None
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
+                                coefficients=NS_COEFFICIENTS, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Approximate U V^T of G [..., A, B] (batched over leading dims) with the quintic Newton-Schulz
+    iteration. Runs in `dtype` (default: bf16 on CUDA, fp32 elsewhere: CPUs have no fast bf16 matmul)."""
+    if G.ndim < 2:
+        raise ValueError(f"Newton-Schulz needs a matrix, got shape {tuple(G.shape)}")
+    a, b, c = coefficients
+    dtype = dtype or (torch.bfloat16 if G.is_cuda else torch.float32)
+    X = G.to(dtype)
+    transposed = X.shape[-2] > X.shape[-1]
+    if transposed:
+        X = X.mT
+    X = X / (X.norm(dim=(-2, -1), keepdim=True) + eps)
+    for _ in range(steps):
+        S = X @ X.mT
+        X = a * X + (b * S + c * (S @ S)) @ X
+    return X.mT if transposed else X
+
+
+def muon_scale(shape) -> float:
+    """Moonlight's update scale 0.2 * sqrt(max(A, B)) for matrices [..., A, B]."""
+    return 0.2 * math.sqrt(max(shape[-2], shape[-1]))
+
+
+def _local(t):
+    return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+class MuonClip(torch.optim.Optimizer):
+    """Muon (hidden matrices) + AdamW (the rest) + optional per-head QK-Clip.
+
+    Args:
+        params: parameters or groups; a group with `use_muon=True` gets Muon (2-D matrices or 3-D
+            batches of matrices only), others AdamW.
+        lr, weight_decay: shared by both parts (Muon uses the Moonlight scale, so AdamW's values carry over).
+        momentum, nesterov, ns_steps: Muon's. adamw_betas, adamw_eps: AdamW's.
+        model: optional; when given, parameters of groups without a `use_muon` key are split by role
+            (see `split_params`), which is what makes `Trainer(optimizer_cls_and_kwargs=(MuonClip,
+            {"model": model, ...}))` work.
+        qk_clip_tau: with `model`, attach QK-Clip at this threshold (None: no clipping).
+    """
+
+    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 weight_decay: float = 0.1, adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, *,
+                 ns_dtype: torch.dtype | None = None, model: nn.Module | None = None, qk_clip_tau: float | None = None):
+        for name, value, ok in (("lr", lr, lr >= 0), ("momentum", momentum, 0 <= momentum < 1),
+                                ("weight_decay", weight_decay, weight_decay >= 0), ("ns_steps", ns_steps, ns_steps >= 1),
+                                ("adamw_eps", adamw_eps, adamw_eps > 0)):
+            if not ok:
+                raise ValueError(f"invalid {name}: {value!r}")
+        if len(adamw_betas) != 2 or not all(0 <= b < 1 for b in adamw_betas):
+            raise ValueError(f"invalid adamw_betas: {adamw_betas!r}")
+        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay,
+                        adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, use_muon=False, ns_dtype=ns_dtype)
+        if model is not None:
+            params = _regroup_by_role(params, model)
+        super().__init__(params, defaults)
+        for i, group in enumerate(self.param_groups):
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(f"param_groups[{i}] has use_muon=True but holds a tensor of shape "
+                                         f"{tuple(p.shape)}: Muon takes matrices [A, B] or batches [E, A, B]")
+        self.qk_clip, self.ns_matrices = None, 0
+        if qk_clip_tau is not None:
+            if model is None:
+                raise ValueError("qk_clip_tau needs the model (MuonClip.from_model or model=...)")
+            from .qk_clip import QKClip
+
+            self.qk_clip = QKClip(model, tau=qk_clip_tau)
+
+    @classmethod
+    def from_model(cls, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
+                   qk_clip_tau: float | None = 100.0, **kwargs) -> "MuonClip":
+        """Splits `model`'s trainable parameters by role (see `split_params`) and attaches QK-Clip to
+        every softmax-attention module it knows (tau=None: no clipping)."""
+        muon, adamw = split_params(model)
+        groups = [{"params": muon, "use_muon": True},
+                  {"params": [p for p in adamw if p.ndim >= 2], "use_muon": False},
+                  # norms, biases, A_log, dt_bias: no weight decay
+                  {"params": [p for p in adamw if p.ndim < 2], "use_muon": False, "weight_decay": 0.0}]
+        opt = cls([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay, **kwargs)
+        if qk_clip_tau is not None:
+            from .qk_clip import QKClip
+
+            opt.qk_clip = QKClip(model, tau=qk_clip_tau)
+        return opt
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.__dict__.setdefault("qk_clip", None)
+        self.__dict__.setdefault("ns_matrices", 0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.ns_matrices = 0
+        for group in self.param_groups:
+            (self._muon_step if group["use_muon"] else self._adamw_step)(group)
+        if self.qk_clip is not None:
+            self.qk_clip.clip()
+        return loss
+
+    # ---- Muon ------------------------------------------------------------------------------
+    def _muon_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+        updates = []
+        for p in params:
+            g = _local(p.grad).float()
+            state = self.state[p]
+            if "momentum_buffer" not in state:  # fp32 whatever the parameter dtype
+                state["momentum_buffer"] = torch.zeros_like(g, dtype=torch.float32)
+            buf = state["momentum_buffer"]
+            buf.lerp_(g, 1 - mu)
+            updates.append(g.lerp(buf, mu) if group["nesterov"] else buf.clone())
+        ortho = self._orthogonalize(params, updates, group["ns_steps"], group["ns_dtype"])
+        for p, o in zip(params, ortho):
+            local = _local(p)
+            local.mul_(1 - lr * wd)
+            local.add_(o.to(local.dtype), alpha=-lr * muon_scale(p.shape))
+
+    def _orthogonalize(self, params, updates, ns_steps, ns_dtype):
+        """Newton-Schulz of every update (local shapes), work split across ranks when distributed.
+        Counts the matrices this rank orthogonalised in `self.ns_matrices` (last step)."""
+        ns = lambda u: zeropower_via_newtonschulz5(u, ns_steps, dtype=ns_dtype)  # noqa: E731
+        is_dtensor = DTensor is not None and isinstance(params[0], DTensor)
+        if is_dtensor:
+            self.ns_matrices += len(updates)
+            return [_fsdp_orthogonalize(p, u, ns) for p, u in zip(params, updates)]
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1:
+            self.ns_matrices += len(updates)
+            return [ns(u) for u in updates]
+        # DDP: matrices dealt round-robin; one all-reduce of a flat buffer carries every result
+        rank = dist.get_rank()
+        flat = torch.zeros(sum(u.numel() for u in updates), dtype=torch.float32, device=updates[0].device)
+        views, offset = [], 0
+        for i, u in enumerate(updates):
+            view = flat[offset : offset + u.numel()].view_as(u)
+            if i % world == rank:
+                view.copy_(ns(u))
+            views.append(view)
+            offset += u.numel()
+        self.ns_matrices += len(range(rank, len(updates), world))
+        dist.all_reduce(flat)  # each element has exactly one non-zero contribution: exact
+        return views
+
+    # ---- AdamW -----------------------------------------------------------------------------
+    def _adamw_step(self, group):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            return
+        lr, wd, eps = group["lr"], group["weight_decay"], group["adamw_eps"]
+        beta1, beta2 = group["adamw_betas"]
+        ps, gs, ms, vs = [], [], [], []
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(_local(p), dtype=torch.float32)
+                state["exp_avg_sq"] = torch.zeros_like(_local(p), dtype=torch.float32)
+            state["step"] += 1
+            ps.append(_local(p))
+            gs.append(_local(p.grad).float())
+            ms.append(state["exp_avg"])
+            vs.append(state["exp_avg_sq"])
+        step = int(self.state[params[0]]["step"].item())
+        bc1, bc2 = 1 - beta1**step, 1 - beta2**step
+        torch._foreach_lerp_(ms, gs, 1 - beta1)
+        torch._foreach_mul_(vs, beta2)
+        torch._foreach_addcmul_(vs, gs, gs, value=1 - beta2)
+        denom = torch._foreach_sqrt(vs)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, eps)
+        upd = torch._foreach_div(ms, denom)
+        if wd:
+            torch._foreach_mul_(ps, 1 - lr * wd)
+        if all(p.dtype == torch.float32 for p in ps):
+            torch._foreach_add_(ps, upd, alpha=-lr / bc1)
+        else:
+            for p, u in zip(ps, upd):
+                p.add_(u.to(p.dtype), alpha=-lr / bc1)
+
+
+def _fsdp_orthogonalize(p, update, ns):
+    """FSDP2: gather the whole momentum-updated gradient (one all-gather), orthogonalise it, keep
+    this rank's rows (DTensor Shard(0) uses torch.chunk's split)."""
+    from torch.distributed.tensor import Shard
+
+    placements = p.placements
+    if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in placements if not pl.is_replicate()):
+        raise ValueError(f"MuonClip supports DTensor parameters sharded on dim 0 (FSDP2), got {placements}")
+    full = DTensor.from_local(update, p.device_mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
+    ortho = ns(full)
+    mesh = p.device_mesh
+    rank = mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_coordinate()[0]
+    return ortho.chunk(mesh.size(0), dim=0)[rank]
+
+
+# ---- splitting a model's parameters by role -----------------------------------------------------
+_ADAMW_NAMES = ("A_log", "dt_bias", "e_score_correction_bias")
+
+
+def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+    """Trainable parameters split into (Muon, AdamW) by role, not only by ndim.
+
+    Muon: weights of nn.Linear layers inside the network and stacked expert matrices ([E, out, in]
+    parameters of 3 dims). AdamW: embeddings and the output head (even when they are nn.Linear or
+    tied), norms, biases, KDA's A_log / dt_bias, convolution kernels, MoE routers (a gate, not a
+    hidden map), and anything else that is not a hidden matrix.
+    """
+    skip = set()
+    for getter in ("get_input_embeddings", "get_output_embeddings"):
+        module = getattr(model, getter, lambda: None)()
+        if module is not None:
+            skip.update(id(p) for p in module.parameters())
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            skip.update(id(p) for p in module.parameters())
+    muon, adamw, seen = [], [], set()
+    for module_name, module in model.named_modules():
+        for name, p in module.named_parameters(recurse=False):
+            if not p.requires_grad or id(p) in seen:
+                continue
+            seen.add(id(p))
+            hidden_linear = isinstance(module, nn.Linear) and name == "weight"
+            expert_batch = p.ndim == 3 and not isinstance(module, (nn.Conv1d, nn.Conv2d))
+            router = type(module).__name__.endswith("Router") or module_name.endswith(".gate")
+            if id(p) not in skip and (hidden_linear or expert_batch) and not router and name not in _ADAMW_NAMES:
+                muon.append(p)
+            else:
+                adamw.append(p)
+    return muon, adamw
+
+
+def _regroup_by_role(params, model: nn.Module):
+    """Groups given without `use_muon` (e.g. Trainer's decay / no-decay groups) are split by role,
+    keeping each group's other settings."""
+    groups = list(params)
+    if groups and not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    muon_ids = {id(p) for p in split_params(model)[0]}
+    out = []
+    for group in groups:
+        if "use_muon" in group:
+            out.append(group)
+            continue
+        plist = list(group["params"])
+        rest = {k: v for k, v in group.items() if k != "params"}
+        muon = [p for p in plist if id(p) in muon_ids]
+        other = [p for p in plist if id(p) not in muon_ids]
+        out += [dict(rest, params=muon, use_muon=True)] if muon else []
+        out += [dict(rest, params=other, use_muon=False)] if other else []
+    return out
+
+
+__all__ = ["MuonClip", "zeropower_via_newtonschulz5", "split_params", "muon_scale", "NS_COEFFICIENTS"]

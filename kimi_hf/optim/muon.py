@@ -63,14 +63,14 @@ class MuonClip(torch.optim.Optimizer):
     """Muon (hidden matrices) + AdamW (the rest) + optional per-head QK-Clip.
 
     Args:
-        params: parameters or groups; a group with `use_muon=True` gets Muon (2-D matrices or 3-D
-            batches of matrices only), others AdamW.
+        params: a model (split by role, see `role_groups`), or parameters / groups: a group with
+            `use_muon=True` gets Muon (2-D matrices or 3-D batches of matrices only), others AdamW.
         lr, weight_decay: shared by both parts (Muon uses the Moonlight scale, so AdamW's values carry over).
         momentum, nesterov, ns_steps: Muon's. adamw_betas, adamw_eps: AdamW's.
-        model: optional; when given, parameters of groups without a `use_muon` key are split by role
-            (see `split_params`), which is what makes `Trainer(optimizer_cls_and_kwargs=(MuonClip,
-            {"model": model, ...}))` work.
-        qk_clip_tau: with `model`, attach QK-Clip at this threshold (None: no clipping).
+        model: with parameter groups, the model they come from: groups without a `use_muon` key are
+            split by role. `Trainer(optimizer_cls_and_kwargs=(MuonClip, {"model": model, ...}))`
+            hands the model itself over as `params`.
+        qk_clip_tau: QK-Clip threshold (needs the model; None: no clipping).
     """
 
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
@@ -85,7 +85,9 @@ class MuonClip(torch.optim.Optimizer):
             raise ValueError(f"invalid adamw_betas: {adamw_betas!r}")
         defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay,
                         adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, use_muon=False, ns_dtype=ns_dtype)
-        if model is not None:
+        if isinstance(params, nn.Module):  # a model (also how Trainer passes `model=` from optimizer kwargs)
+            model, params = params, role_groups(params)
+        elif model is not None:
             params = _regroup_by_role(params, model)
         super().__init__(params, defaults)
         for i, group in enumerate(self.param_groups):
@@ -97,7 +99,7 @@ class MuonClip(torch.optim.Optimizer):
         self.qk_clip, self.ns_matrices = None, 0
         if qk_clip_tau is not None:
             if model is None:
-                raise ValueError("qk_clip_tau needs the model (MuonClip.from_model or model=...)")
+                raise ValueError("qk_clip_tau needs the model (MuonClip(model, ...) or MuonClip.from_model)")
             from .qk_clip import QKClip
 
             self.qk_clip = QKClip(model, tau=qk_clip_tau)
@@ -105,19 +107,10 @@ class MuonClip(torch.optim.Optimizer):
     @classmethod
     def from_model(cls, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
                    qk_clip_tau: float | None = 100.0, **kwargs) -> "MuonClip":
-        """Splits `model`'s trainable parameters by role (see `split_params`) and attaches QK-Clip to
-        every softmax-attention module it knows (tau=None: no clipping)."""
-        muon, adamw = split_params(model)
-        groups = [{"params": muon, "use_muon": True},
-                  {"params": [p for p in adamw if p.ndim >= 2], "use_muon": False},
-                  # norms, biases, A_log, dt_bias: no weight decay
-                  {"params": [p for p in adamw if p.ndim < 2], "use_muon": False, "weight_decay": 0.0}]
-        opt = cls([g for g in groups if g["params"]], lr=lr, weight_decay=weight_decay, **kwargs)
-        if qk_clip_tau is not None:
-            from .qk_clip import QKClip
-
-            opt.qk_clip = QKClip(model, tau=qk_clip_tau)
-        return opt
+        """Splits `model`'s trainable parameters by role (see `split_params`; no weight decay on
+        vectors: norms, biases, A_log, dt_bias) and attaches QK-Clip to every softmax-attention module
+        it knows (tau=None: no clipping)."""
+        return cls(model, lr=lr, weight_decay=weight_decay, qk_clip_tau=qk_clip_tau, **kwargs)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -272,6 +265,16 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return muon, adamw
 
 
+def role_groups(model: nn.Module) -> list[dict]:
+    """Parameter groups of a model by role: Muon matrices; AdamW matrices (embeddings, head,
+    routers, convs); AdamW vectors (norms, biases, A_log, dt_bias) without weight decay."""
+    muon, adamw = split_params(model)
+    groups = [{"params": muon, "use_muon": True},
+              {"params": [p for p in adamw if p.ndim >= 2], "use_muon": False},
+              {"params": [p for p in adamw if p.ndim < 2], "use_muon": False, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
 def _regroup_by_role(params, model: nn.Module):
     """Groups given without `use_muon` (e.g. Trainer's decay / no-decay groups) are split by role,
     keeping each group's other settings."""
@@ -293,4 +296,4 @@ def _regroup_by_role(params, model: nn.Module):
     return out
 
 
-__all__ = ["MuonClip", "zeropower_via_newtonschulz5", "split_params", "muon_scale", "NS_COEFFICIENTS"]
+__all__ = ["MuonClip", "zeropower_via_newtonschulz5", "split_params", "role_groups", "muon_scale", "NS_COEFFICIENTS"]

@@ -1,0 +1,39 @@
+"""Run by test_distributed.py under torchrun: train the tiny hybrid model with MuonClip on FSDP2
+(torch's fully_shard, gloo on CPU) and save the full parameters from rank 0."""
+
+import sys
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch.distributed.fsdp import fully_shard
+
+from kimi_hf import KimiHybridForCausalLM
+from kimi_hf.optim import MuonClip
+from tests.optim.test_distributed import STEPS, batch, config
+
+
+def main(out: str):
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = KimiHybridForCausalLM(config()).train()
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=0.5)
+    for step in range(STEPS):
+        x = batch(step)[rank::world]
+        model(x, labels=x, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    full = {n: p.full_tensor().contiguous() for n, p in model.named_parameters()}
+    print(f"rank {rank}: clipped {opt.qk_clip.total_clipped_heads} heads", flush=True)
+    if rank == 0:
+        save_file(full, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,72 @@
+"""MuonClip across processes on CPU (gloo): accelerate DDP (the pre-training example under torchrun)
+and FSDP2 (torch's fully_shard) give the single-process result."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kimi_hf import KimiHybridForCausalLM
+from kimi_hf.optim import MuonClip
+
+from ..models.kimi_hybrid.helpers import tiny_config
+
+ROOT = Path(__file__).resolve().parents[2]
+STEPS = 3
+
+
+def config():
+    return tiny_config(attn_implementation="eager")
+
+
+def batch(step):
+    return torch.randint(3, 97, (4, 24), generator=torch.Generator().manual_seed(100 + step))
+
+
+def torchrun(args, port):
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out.stdout
+
+
+def test_ddp_with_accelerate_matches_single_process(tmp_path):
+    script = ROOT / "examples" / "pretrain_muonclip.py"
+    common = ["--steps", "4", "--batch", "4", "--seq", "48", "--hidden", "32", "--corpus-bytes", "200000"]
+    single = subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert single.returncode == 0, single.stderr[-3000:]
+    stdout = torchrun([str(script), *common, "--out", str(tmp_path / "two")], port=29561)
+    a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for name in a:
+        assert torch.allclose(a[name], b[name], atol=1e-6), name
+    la = json.loads((tmp_path / "one" / "losses.json").read_text())
+    lb = json.loads((tmp_path / "two" / "losses.json").read_text())
+    assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
+    # the Newton-Schulz work is split, not repeated: the two ranks' shares add up to the whole
+    total = int(single.stdout.split("orthogonalised ")[1].split()[0])
+    shares = sorted(int(line.split("orthogonalised ")[1].split()[0]) for line in stdout.splitlines() if "orthogonalised" in line)
+    assert len(shares) == 2 and sum(shares) == total and max(shares) < total
+
+
+def test_fsdp2_matches_single_process(tmp_path):
+    out = tmp_path / "fsdp.safetensors"
+    stdout = torchrun([str(ROOT / "tests" / "optim" / "fsdp2_worker.py"), str(out)], port=29562)
+    torch.manual_seed(0)
+    model = KimiHybridForCausalLM(config()).train()
+    opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=0.5)
+    for step in range(STEPS):
+        x = batch(step)
+        model(x, labels=x, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    assert opt.qk_clip.total_clipped_heads > 0  # the clip path is exercised
+    assert f"clipped {opt.qk_clip.total_clipped_heads} heads" in stdout
+    sharded = load_file(out)
+    for name, p in model.named_parameters():
+        assert torch.allclose(p.detach(), sharded[name], atol=1e-5), name

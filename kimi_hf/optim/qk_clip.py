@@ -8,7 +8,11 @@ by gamma_h (MLA: content parts by sqrt(gamma), the per-head rope query by gamma,
 untouched). Heads at or below tau are never touched; KDA layers need no clip (q, k are L2-normalised).
 
 A module takes part by having an attribute `max_logit_recorder` (set here) and a method
-`apply_qk_clip(gamma: Tensor[H])`; see KimiHybridMLA.
+`apply_qk_clip(gamma: Tensor[H])` (KimiHybridMLA has both). Other transformers attention modules with
+`q_proj` / `k_proj` linears and `head_dim` take part through `GenericQKClip`: the model's attention
+implementation is switched to a recording wrapper of the one it had, which sees the final (e.g.
+rotated) q and k; head h's query rows (and bias) scale by gamma, or by sqrt(gamma) with the key rows
+too when every query head has its own key head.
 
 How the max is obtained (and what it costs), per attention implementation:
 - eager: exact, from the materialised scores (one extra reduction);
@@ -20,9 +24,18 @@ How the max is obtained (and what it costs), per attention implementation:
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..models.kimi_hybrid.modeling_kimi_hybrid import attention_max_logits
+
+_WRAPPER = "kimi_hf_qk_clip"
 
 
 class QKClip:
@@ -32,6 +45,7 @@ class QKClip:
         if not tau > 0:
             raise ValueError(f"qk_clip_tau must be > 0, got {tau!r}")
         self.tau = float(tau)
+        _adopt_generic_attention(model)
         self.modules = [m for m in model.modules() if callable(getattr(m, "apply_qk_clip", None))]
         for m in self.modules:
             m.max_logit_recorder = self
@@ -75,6 +89,72 @@ class QKClip:
         self.last_clipped_heads = clipped
         self.total_clipped_heads += clipped
         return clipped
+
+
+def _is_generic_attention(m: nn.Module) -> bool:
+    return (isinstance(getattr(m, "q_proj", None), nn.Linear) and isinstance(getattr(m, "k_proj", None), nn.Linear)
+            and isinstance(getattr(m, "head_dim", None), int) and not callable(getattr(m, "apply_qk_clip", None))
+            and not getattr(m, "qk_clip_exempt", False))
+
+
+@torch.no_grad()
+def _generic_apply_qk_clip(self, gamma: torch.Tensor) -> None:
+    """Head h's logits scale by gamma[h]: sqrt on q and k rows when heads have their own key head,
+    otherwise (GQA/MQA) the whole factor on the query rows."""
+    d, H = self.head_dim, self.q_proj.out_features // self.head_dim
+    gamma = gamma.float().to(self.q_proj.weight.device)
+    shared_k = self.k_proj.out_features // d != H
+    q_rows = (gamma if shared_k else gamma.sqrt()).repeat_interleave(d)
+    targets = [(self.q_proj, q_rows)] + ([] if shared_k else [(self.k_proj, gamma.sqrt().repeat_interleave(d))])
+    for proj, rows in targets:
+        proj.weight.mul_(rows.to(proj.weight.dtype)[:, None])
+        if proj.bias is not None:
+            proj.bias.mul_(rows.to(proj.bias.dtype))
+
+
+def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if attention_mask is not None:
+        mask = attention_mask[..., : key.shape[2]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+    weights = F.dropout(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), p=dropout, training=module.training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
+def _recording_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """Attention wrapper: records the per-head max logit in training, then runs the model's own
+    attention implementation."""
+    recorder = getattr(module, "max_logit_recorder", None)
+    if recorder is not None and module.training:
+        k = key.repeat_interleave(query.shape[1] // key.shape[1], 1)
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        recorder.record(module, attention_max_logits(query, k, attention_mask, scale))
+    inner = getattr(module, "_qk_clip_inner_attention", "sdpa")
+    fn = _eager if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+    return fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+
+
+def _adopt_generic_attention(model: nn.Module) -> None:
+    """Gives q_proj/k_proj attention modules of other transformers models an apply_qk_clip and
+    routes the model's attention through the recording wrapper of its current implementation."""
+    generic = [m for m in model.modules() if _is_generic_attention(m)]
+    config = getattr(model, "config", None)
+    if not generic or config is None:
+        return
+    inner = config._attn_implementation or "sdpa"
+    if inner == _WRAPPER:
+        return
+    AttentionInterface.register(_WRAPPER, _recording_attention)
+    for m in generic:
+        m.apply_qk_clip = types.MethodType(_generic_apply_qk_clip, m)
+        m._qk_clip_inner_attention = inner
+        m.num_heads = m.q_proj.out_features // m.head_dim
+    for sub in model.modules():  # every config object that carries the implementation
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and getattr(cfg, "_attn_implementation", None) == inner:
+            cfg._attn_implementation = _WRAPPER
 
 
 __all__ = ["QKClip"]

@@ -86,6 +86,13 @@ def test_clip_brings_heads_above_tau_down_to_tau():
     assert torch.allclose(after[~over], before[~over], rtol=1e-5)
 
 
+def test_only_mla_layers_are_clipped_in_the_hybrid_model():
+    model = KimiHybridForCausalLM(tiny_config())
+    clip = QKClip(model)
+    assert clip.modules == [model.model.layers[3].self_attn]
+    assert model.config._attn_implementation == "sdpa"  # our MLA records by itself: no wrapper
+
+
 def test_no_record_outside_training_and_no_clip_without_records():
     model = KimiHybridForCausalLM(tiny_config()).eval()
     clip = QKClip(model, tau=1e-3)
@@ -106,3 +113,29 @@ def test_attention_max_logits_respects_masks():
     assert torch.allclose(attention_max_logits(q, k, additive, 1.0), expect)
     with pytest.raises(ValueError, match="qk_clip_tau"):
         QKClip(torch.nn.Linear(2, 2), tau=0)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_generic_q_k_attention_of_another_model(kv_heads):
+    """A transformers Llama (RoPE, GQA or not): records post-rotary max logits, clips by gamma."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=kv_heads, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).train()
+    x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(x, output_attentions=False).logits
+    clip = QKClip(model, tau=1e9)
+    attn = model.model.layers[0].self_attn
+    assert clip.modules == [model.model.layers[0].self_attn, model.model.layers[1].self_attn]
+    with torch.no_grad():
+        assert torch.allclose(model(x).logits, ref, atol=1e-6)  # the wrapper changes nothing
+    before = clip._maxima[id(attn)].clone()
+    clip.tau = float(before.min()) * 0.5
+    clip.clip()  # every head of every layer is over tau: all scaled to tau
+    with torch.no_grad():
+        model(x)
+    after = clip._maxima[id(attn)]
+    assert torch.allclose(after, torch.full_like(after, clip.tau), rtol=1e-4)

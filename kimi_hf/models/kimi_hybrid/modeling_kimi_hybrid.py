@@ -132,6 +132,8 @@ class KimiDeltaAttention(nn.Module):
         o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
     """
 
+    qk_clip_exempt = True  # q and k are L2-normalised: logits are bounded by the scale, no QK-Clip
+
     def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx

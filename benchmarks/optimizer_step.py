@@ -1,0 +1,73 @@
+"""Optimizer step time: MuonClip vs torch.optim.Muon + torch.optim.AdamW on the same parameters
+(a dense hybrid model, since torch's Muon takes 2-D matrices only), CPU, fp32 parameters.
+
+    python benchmarks/optimizer_step.py            # hidden 256 and 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
+from kimi_hf.optim import MuonClip, split_params  # noqa: E402
+
+
+def model_of(hidden: int):
+    torch.manual_seed(0)
+    cfg = KimiHybridTextConfig(
+        vocab_size=1024, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+        mlp_layer_types=["dense"] * 4, num_attention_heads=4, kv_lora_rank=hidden // 2, qk_nope_head_dim=32,
+        qk_rope_head_dim=16, v_head_dim=32, num_experts=4, num_experts_per_tok=2, linear_num_heads=4,
+        linear_head_dim=hidden // 4, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    model = KimiHybridForCausalLM(cfg)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p) * 1e-3
+    return model
+
+
+def timed(step, repeats):
+    step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, nargs="+", default=[256, 512])
+    p.add_argument("--repeats", type=int, default=10)
+    args = p.parse_args(argv)
+    print(f"# optimizer step, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print("| hidden | params | Muon matrices | MuonClip ms | MuonClip (bf16 NS) ms | torch Muon + AdamW ms | ratio | ratio (bf16 NS) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for hidden in args.hidden:
+        model = model_of(hidden)
+        muon, adamw = split_params(model)
+        ours = MuonClip.from_model(model, lr=1e-3, qk_clip_tau=None)
+        ours_bf16 = MuonClip.from_model(model, lr=1e-3, qk_clip_tau=None, ns_dtype=torch.bfloat16)
+        t_muon = torch.optim.Muon(muon, lr=1e-3, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+        t_adamw = torch.optim.AdamW(adamw, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+        def torch_step():
+            t_muon.step()
+            t_adamw.step()
+
+        a, b, c = timed(ours.step, args.repeats), timed(ours_bf16.step, args.repeats), timed(torch_step, args.repeats)
+        n = sum(q.numel() for q in model.parameters())
+        print(f"| {hidden} | {n / 1e6:.1f}M | {len(muon)} | {a * 1e3:.1f} | {b * 1e3:.1f} | {c * 1e3:.1f} "
+              f"| {a / c:.2f}x | {b / c:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

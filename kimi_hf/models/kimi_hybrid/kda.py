@@ -26,11 +26,14 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-try:  # optional accelerator; the flat folder must load without it
-    from kimi_hf_kernels.kda import chunk_kda as _triton_chunk_kda
+try:  # optional accelerator (kimi_hf_kernels, the repository's kernels/ folder); loads without it
     from kimi_hf_kernels.kda import recurrent_kda as _triton_recurrent_kda
 except ImportError:
-    _triton_chunk_kda = _triton_recurrent_kda = None
+    _triton_recurrent_kda = None
+try:
+    from kimi_hf_kernels.kda import chunk_kda as _triton_chunk_kda
+except ImportError:
+    _triton_chunk_kda = None
 
 __all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "kda_gate", "CHUNK_SIZE"]
 
@@ -535,7 +538,7 @@ def _select(backend, q, triton_impl, torch_impl):
         return torch_impl
     # "triton" forced, or a CUDA tensor with backend=None
     if triton_impl is None:
-        _warn_once("no-triton", "kimi_hf: Triton KDA kernels are not available; using the PyTorch path")
+        _warn_once("no-triton", "kimi_hf: this Triton KDA kernel is not available; using the PyTorch path")
         return torch_impl
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {q.device}")
@@ -567,5 +570,8 @@ def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_fi
     state in and out). Same arguments and results as `chunk_kda`."""
     scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
     impl = _select(backend, q, _triton_recurrent_kda, _recurrent_torch)
+    if impl is _triton_recurrent_kda and torch.is_grad_enabled() and any(
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
+        impl = _recurrent_torch  # the fused kernel is forward-only
     o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     return o.to(q.dtype), S

@@ -1,0 +1,52 @@
+"""The fused recurrent KDA Triton kernel (kimi_hf_kernels.kda.recurrent) under TRITON_INTERPRET=1 on
+CPU, through kimi_hf.ops.recurrent_kda(backend="triton"), against the fp32 reference.
+fp32 and fp16 only: the interpreter's bf16 dot is broken (SPEC 1.4)."""
+
+import os
+
+import pytest
+import torch
+
+from kimi_hf.ops import recurrent_kda
+
+from ...ops.test_kda import make_inputs, rel_rms
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
+
+
+@pytest.mark.parametrize("K,V,l2", [(16, 40, False), (20, 16, True), (32, 32, True)])
+def test_matches_reference(K, V, l2):
+    inputs = make_inputs(2, 6, 3, K, V, seed=K + V)
+    h0 = torch.randn(2, 3, K, V)
+    with torch.no_grad():
+        o, S = recurrent_kda(*inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4, backend="triton")
+        o_ref, S_ref = recurrent_kda(*inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4,
+                                     backend="reference")
+    assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5
+
+
+def test_varlen_without_initial_state_and_extreme_gates():
+    inputs = make_inputs(1, 11, 2, 16, 16, strong_channels=4, seed=3)
+    cu = torch.tensor([0, 4, 4, 11])
+    with torch.no_grad():
+        o, S = recurrent_kda(*inputs, cu_seqlens=cu, output_final_state=True, backend="triton")
+        o_ref, S_ref = recurrent_kda(*inputs, cu_seqlens=cu, output_final_state=True, backend="reference")
+    assert torch.isfinite(o).all() and torch.isfinite(S).all()
+    assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5
+    assert torch.equal(S[1], torch.zeros_like(S[1]))  # the empty sequence
+
+
+def test_fp16_inputs_fp32_state():
+    inputs = [x.half() for x in make_inputs(1, 5, 2, 16, 16, seed=4)]
+    with torch.no_grad():
+        o, S = recurrent_kda(*inputs, output_final_state=True, backend="triton")
+        o_ref, S_ref = recurrent_kda(*inputs, output_final_state=True, backend="reference")
+    assert o.dtype == torch.float16 and S.dtype == torch.float32
+    assert rel_rms(o.float(), o_ref.float()) <= 2e-3 and rel_rms(S, S_ref) <= 1e-5
+
+
+def test_gradients_fall_back_to_the_torch_path():
+    inputs = [x.requires_grad_() for x in make_inputs(1, 4, 1, 8, 8)]
+    o, _ = recurrent_kda(*inputs, backend="triton")
+    o.sum().backward()  # the kernel is forward-only: the dispatcher took the differentiable path
+    assert all(x.grad is not None for x in inputs)

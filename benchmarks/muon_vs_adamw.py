@@ -12,6 +12,7 @@ or below AdamW's final one (target: <= half of AdamW's steps).
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -59,7 +60,8 @@ def run(name, lr, steps, corpus, args, eval_every):
     model = KimiHybridForCausalLM(config(args.hidden)).train()
     opt = make_optimizer(name, model, lr)
     warmup = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    decay = (lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))) if args.schedule == "cosine" else (lambda s: 1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * decay(s))
     curve, t0 = [], time.perf_counter()
     for step in range(1, steps + 1):
         x = corpus.batch(step, args.batch, args.seq, seed=args.seed)
@@ -82,6 +84,7 @@ def main(argv=None):
     p.add_argument("--lr-muon", type=float, default=1e-2)
     p.add_argument("--sweep", type=int, default=0, help="steps of an lr sweep (x0.3, x1, x3) before the runs")
     p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--schedule", choices=["constant", "cosine"], default="cosine", help="after a 5%% warm-up")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/muon_vs_adamw.png")
     args = p.parse_args(argv)
@@ -89,7 +92,7 @@ def main(argv=None):
     corpus = ByteCorpus(max_bytes=3_000_000)
     n_params = sum(q.numel() for q in KimiHybridForCausalLM(config(args.hidden)).parameters())
     print(f"# byte-level hybrid LM, {n_params / 1e6:.2f}M params, batch {args.batch} x {args.seq}, "
-          f"{args.steps} steps, stdlib sources ({len(corpus.train) / 1e6:.1f}M train bytes)")
+          f"{args.steps} steps, {args.schedule} lr, stdlib sources ({len(corpus.train) / 1e6:.1f}M train bytes)")
     lrs = {"adamw": args.lr_adamw, "muonclip": args.lr_muon}
     if args.sweep:
         for name in lrs:

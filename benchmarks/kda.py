@@ -15,16 +15,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 sys.modules.setdefault("fla", None)  # the peers are transformers' torch fallbacks; keep fla's CPU warning out
 
 import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import timed  # noqa: E402
 
 IMPLS = ("ours", "hf_chunk", "hf_loop")
 
@@ -66,16 +66,6 @@ def call(fn, xs, backward):
     else:
         with torch.no_grad():
             fn(*xs)
-
-
-def median_time(fn, xs, backward, repeats):
-    call(fn, xs, backward)  # warm-up
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        call(fn, xs, backward)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def _status_kb(field):
@@ -136,7 +126,8 @@ def main(argv=None):
                     continue
                 xs = make_inputs(T, args.H, args.K, args.V, requires_grad=backward)
                 reps = args.repeats if impl == "ours" else max(1, min(3, args.repeats))
-                t = median_time(runner(impl), xs, backward, reps)
+                fn = runner(impl)
+                t = timed(lambda: call(fn, xs, backward), reps)
                 mem = float("nan") if args.no_memory else peak_memory_mb(impl, T, args.H, args.K, args.V, backward)
                 res[impl] = (t, mem)
             ours_times[(backward, T)] = res["ours"][0]

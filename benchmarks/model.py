@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 
@@ -24,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
+from common import timed  # noqa: E402
 from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 
 SIZE = dict(
@@ -42,16 +42,6 @@ def models():
     torch.manual_seed(0)
     native = KimiLinearForCausalLM(KimiLinearConfig(**SIZE, num_local_experts=EXPERTS, num_key_value_heads=4)).eval()
     return ours, native
-
-
-def timed(fn, repeats):
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 @torch.no_grad()

@@ -25,6 +25,8 @@ from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
 
+from common import save_plot  # noqa: E402
+
 
 def config(hidden=96):
     return KimiHybridTextConfig(
@@ -83,6 +85,8 @@ def main(argv=None):
     p.add_argument("--lr-adamw", type=float, default=3e-3)
     p.add_argument("--lr-muon", type=float, default=1e-2)
     p.add_argument("--sweep", type=int, default=0, help="steps of an lr sweep (x0.3, x1, x3) before the runs")
+    p.add_argument("--muon-steps", type=int, default=None,
+                   help="also train MuonClip with its own (cosine) schedule over this many steps, e.g. steps / 2")
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--schedule", choices=["constant", "cosine"], default="cosine", help="after a 5%% warm-up")
     p.add_argument("--seed", type=int, default=0)
@@ -108,29 +112,24 @@ def main(argv=None):
     for (s, a), (_, m) in zip(curves["adamw"], curves["muonclip"]):
         print(f"| {s} | {a:.4f} | {m:.4f} |")
     final = curves["adamw"][-1][1]
+    if args.muon_steps:
+        short, _ = run("muonclip", lrs["muonclip"], args.muon_steps, corpus, args, args.eval_every)
+        print(f"\nMuonClip with its own {args.muon_steps}-step schedule: final val loss {short[-1][1]:.4f} "
+              f"vs AdamW's {final:.4f} after {args.steps} steps "
+              f"({'reached' if short[-1][1] <= final else 'not reached'} with {args.steps / args.muon_steps:.1f}x fewer steps)")
     reach = next((s for s, v in curves["muonclip"] if v <= final), None)
     print(f"\nAdamW (lr {lrs['adamw']:.2g}) final val loss {final:.4f} at step {args.steps}; MuonClip (lr {lrs['muonclip']:.2g}) "
           f"reaches it at step {reach} ({'n/a' if reach is None else f'{args.steps / reach:.2f}x fewer steps'}); "
           f"wall time AdamW {times['adamw']:.0f}s, MuonClip {times['muonclip']:.0f}s")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    def draw(fig):
+        ax = fig.add_subplot()
         for name, curve in curves.items():
-            plt.plot(*zip(*curve), label=f"{name} (lr {lrs[name]:.2g})")
-        plt.axhline(final, color="gray", lw=0.5, ls="--")
-        plt.xlabel("step")
-        plt.ylabel("validation loss (nats / byte)")
-        plt.title("MuonClip vs AdamW, byte-level hybrid LM on stdlib sources")
-        plt.legend()
-        plt.savefig(args.out, dpi=120)
-        print(f"plot: {args.out}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+            ax.plot(*zip(*curve), label=f"{name} (lr {lrs[name]:.2g})")
+        ax.axhline(final, color="gray", lw=0.5, ls="--")
+        ax.set(xlabel="step", ylabel="validation loss (nats / byte)", title="MuonClip vs AdamW, byte-level hybrid LM on stdlib sources")
+        ax.legend()
 
+    save_plot(args.out, draw)
 
 if __name__ == "__main__":
     main()

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import timed  # noqa: E402
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.optim import MuonClip, split_params  # noqa: E402
 
@@ -32,16 +31,6 @@ def model_of(hidden: int):
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     return model
-
-
-def timed(step, repeats):
-    step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):

@@ -19,6 +19,7 @@ from kimi_hf import KimiHybridForCausalLM  # noqa: E402
 from kimi_hf.data import ByteCorpus  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
 
+from common import save_plot  # noqa: E402
 from muon_vs_adamw import config  # noqa: E402
 
 
@@ -67,29 +68,19 @@ def main(argv=None):
     tail = {k: sum(r[1] for r in v[-20:]) / 20 for k, v in runs.items()}
     print(f"\npeak max logit: no clip {peak['no clip']:.1f}, QK-Clip {peak['QK-Clip']:.1f} (after step 1: {after_first:.1f}, "
           f"tau {args.tau}); mean loss of the last 20 steps: no clip {tail['no clip']:.3f}, QK-Clip {tail['QK-Clip']:.3f}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    def draw(fig):
+        ax1, ax2 = fig.subplots(1, 2)
         for name, rows in runs.items():
             steps = [r[0] for r in rows]
             ax1.plot(steps, [r[2] for r in rows], label=name)
             ax2.plot(steps, [r[1] for r in rows], label=name)
         ax1.axhline(args.tau, color="gray", ls="--", lw=0.8, label="tau")
-        ax1.set(xlabel="step", ylabel="max pre-softmax logit", title="MLA max logit")
+        ax1.set(xlabel="step", ylabel="max pre-softmax logit", title="MLA max logit", yscale="log")
         ax2.set(xlabel="step", ylabel="training loss", title="loss")
         ax1.legend()
         ax2.legend()
-        fig.tight_layout()
-        fig.savefig(args.out, dpi=120)
-        print(f"plot: {args.out}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
 
+    save_plot(args.out, draw, figsize=(11, 4))
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,26 @@
+"""The benchmark scripts run end to end at toy sizes (their numbers are not checked: machines are noisy)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+
+CASES = {
+    "kda.py": ["--T", "64", "128", "--repeats", "1", "--no-memory"],
+    "model.py": ["--T", "64", "--repeats", "1", "--decode-tokens", "2"],
+    "optimizer_step.py": ["--hidden", "64", "--repeats", "1"],
+    "muon_vs_adamw.py": ["--steps", "4", "--eval-every", "2", "--muon-steps", "2", "--hidden", "32", "--out", "{tmp}/m.png"],
+    "qk_clip.py": ["--steps", "3", "--hidden", "32", "--out", "{tmp}/q.png"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_benchmark_script_runs(script, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in CASES[script]]
+    out = subprocess.run([sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600,
+                         cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "|" in out.stdout  # printed its table

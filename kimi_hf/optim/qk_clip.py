@@ -28,12 +28,12 @@ import types
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..models.kimi_hybrid.modeling_kimi_hybrid import attention_max_logits
+from ..models.kimi_hybrid.modeling_kimi_hybrid import attention_max_logits, eager_attention_forward
 
 _WRAPPER = "kimi_hf_qk_clip"
 
@@ -112,17 +112,6 @@ def _generic_apply_qk_clip(self, gamma: torch.Tensor) -> None:
             proj.bias.mul_(rows.to(proj.bias.dtype))
 
 
-def _eager(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if attention_mask is not None:
-        mask = attention_mask[..., : key.shape[2]]
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
-    weights = F.dropout(F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), p=dropout, training=module.training)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
 def _recording_attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
     """Attention wrapper: records the per-head max logit in training, then runs the model's own
     attention implementation."""
@@ -132,7 +121,7 @@ def _recording_attention(module, query, key, value, attention_mask, scaling=None
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         recorder.record(module, attention_max_logits(query, k, attention_mask, scale))
     inner = getattr(module, "_qk_clip_inner_attention", "sdpa")
-    fn = _eager if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
+    fn = eager_attention_forward if inner == "eager" else ALL_ATTENTION_FUNCTIONS[inner]
     return fn(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
 
 
@@ -144,9 +133,13 @@ def _adopt_generic_attention(model: nn.Module) -> None:
     if not generic or config is None:
         return
     inner = config._attn_implementation or "sdpa"
-    if inner == _WRAPPER:
+    if inner.startswith(_WRAPPER):
         return
-    AttentionInterface.register(_WRAPPER, _recording_attention)
+    # one name per wrapped implementation, so that masks keep the format that implementation expects
+    wrapper = f"{_WRAPPER}_{inner}"
+    AttentionInterface.register(wrapper, _recording_attention)
+    masks = AttentionMaskInterface._global_mapping
+    AttentionMaskInterface.register(wrapper, masks.get(inner, masks["sdpa"]))
     for m in generic:
         m.apply_qk_clip = types.MethodType(_generic_apply_qk_clip, m)
         m._qk_clip_inner_attention = inner
@@ -154,7 +147,7 @@ def _adopt_generic_attention(model: nn.Module) -> None:
     for sub in model.modules():  # every config object that carries the implementation
         cfg = getattr(sub, "config", None)
         if cfg is not None and getattr(cfg, "_attn_implementation", None) == inner:
-            cfg._attn_implementation = _WRAPPER
+            cfg._attn_implementation = wrapper
 
 
 __all__ = ["QKClip"]

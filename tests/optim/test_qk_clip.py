@@ -115,14 +115,15 @@ def test_attention_max_logits_respects_masks():
         QKClip(torch.nn.Linear(2, 2), tau=0)
 
 
+@pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_generic_q_k_attention_of_another_model(kv_heads):
+def test_generic_q_k_attention_of_another_model(kv_heads, impl):
     """A transformers Llama (RoPE, GQA or not): records post-rotary max logits, clips by gamma."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=kv_heads, attn_implementation="sdpa")
+                      num_key_value_heads=kv_heads, attn_implementation=impl)
     model = LlamaForCausalLM(cfg).train()
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

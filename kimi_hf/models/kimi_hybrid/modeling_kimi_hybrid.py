@@ -194,11 +194,17 @@ class KimiDeltaAttention(nn.Module):
 
 
 def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float, dropout: float = 0.0, **kwargs):
-    """query/key [B, H, T|S, D], value [B, H, S, Dv] -> output [B, T, H, Dv], weights [B, H, T, S]."""
-    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs):
+    """query [B, H, T, D], key/value [B, H or fewer (GQA), S, D] -> output [B, T, H, Dv], weights
+    [B, H, T, S]. attention_mask: additive float or boolean (True = attend)."""
+    if key.shape[1] != query.shape[1]:
+        groups = query.shape[1] // key.shape[1]
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if attention_mask is not None:
-        scores = scores + attention_mask
+        mask = attention_mask[..., : key.shape[2]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights

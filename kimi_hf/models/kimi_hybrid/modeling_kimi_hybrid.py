@@ -527,8 +527,9 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
     @capture_outputs
     def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None,
+                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, cache: Cache | None = None,
                 **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+        past_key_values = cache if cache is not None else past_key_values  # transformers >= 5.24 says `cache`
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
@@ -545,16 +546,25 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         packed = None
         if attention_mask is None and past_seen == 0:
             packed = PackedSequences.from_position_ids(position_ids, B)
-        mask_kwargs = {"config": self.config, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                       "past_key_values": None if packed is not None else past_key_values, "position_ids": position_ids}
-        masks = {"full_attention": create_causal_mask(**mask_kwargs),
-                 "linear_attention": create_recurrent_attention_mask(**mask_kwargs)}
+        # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
+        mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
+        masks = {"full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
+                 "linear_attention": create_recurrent_attention_mask(*mask_args)}
 
         hidden_states = inputs_embeds
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask=masks[layer.layer_type], position_ids=position_ids,
                                   past_key_values=past_key_values, packed=packed, **kwargs)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), past_key_values=past_key_values)
+        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values))
+
+
+def _cache_field(output_cls, cache) -> dict:
+    """The cache under the output class's field name (`past_key_values` before transformers 5.24, `cache` since)."""
+    return {"cache" if "cache" in output_cls.__dataclass_fields__ else "past_key_values": cache}
+
+
+def _output_cache(output):
+    return getattr(output, "cache" if "cache" in output.__dataclass_fields__ else "past_key_values")
 
 
 def _cached_length(cache: Cache | None) -> int:
@@ -598,7 +608,9 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
                 use_cache: bool | None = None, output_router_logits: bool | None = None,
-                logits_to_keep: int | torch.Tensor = 0, **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
+                logits_to_keep: int | torch.Tensor = 0, cache: Cache | None = None,
+                **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
+        past_key_values = cache if cache is not None else past_key_values
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         outputs: MoeModelOutputWithPast = self.model(
@@ -615,9 +627,9 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             aux_loss = router_load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, attention_mask)
             if loss is not None:
                 loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits,
-                                         past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
-                                         attentions=outputs.attentions, router_logits=outputs.router_logits)
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
+                                         attentions=outputs.attentions, router_logits=outputs.router_logits,
+                                         **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)))
 
 
 __all__ = [

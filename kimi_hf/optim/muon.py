@@ -144,7 +144,7 @@ class MuonClip(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(g, dtype=torch.float32)
             buf = state["momentum_buffer"]
             buf.lerp_(g, 1 - mu)
-            updates.append(g.lerp(buf, mu) if group["nesterov"] else buf.clone())
+            updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)  # Newton-Schulz never writes its input
         ortho = self._orthogonalize(params, updates, group["ns_steps"], group["ns_dtype"])
         for p, o in zip(params, ortho):
             local = _local(p)

@@ -288,8 +288,6 @@ class KimiHybridMLA(nn.Module):
         for weight, rows in ((q_weight, q_rows), (self.kv_b_proj.weight, kv_rows)):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             if local.shape[0] != rows.shape[0]:  # FSDP2 shard on dim 0: this rank's rows (torch.chunk split)
-                from torch.distributed.tensor import DTensor  # noqa: F401  (only reached with DTensors)
-
                 mesh = weight.device_mesh
                 rows = rows.chunk(mesh.size(0))[mesh.get_local_rank()]
             local.mul_(rows.to(local.device, local.dtype)[:, None])

@@ -3,6 +3,7 @@ kimi_linear torch fallbacks (chunk_kimi_delta_attention and the token loop recur
 
     python benchmarks/kda.py                 # T in 512 ... 8192, B=1, H=4, K=V=64
     python benchmarks/kda.py --quick         # T in 512, 1024, 2048, fewer repeats
+    python benchmarks/kda.py --cuda [...]    # the CUDA section: Triton kernels vs fla (kda_cuda.py)
 
 Prints one table per mode (forward, forward+backward): median time, peak memory (extra RSS of a
 fresh process running the call once) and our speed-up over each peer, then the scaling check
@@ -18,7 +19,8 @@ import os
 import subprocess
 import sys
 
-sys.modules.setdefault("fla", None)  # the peers are transformers' torch fallbacks; keep fla's CPU warning out
+if "--cuda" not in sys.argv:  # CPU peers are transformers' torch fallbacks; keep fla's CPU warning out
+    sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
 
@@ -94,6 +96,11 @@ def peak_memory_mb(impl, T, H, K, V, backward):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if "--cuda" in argv:  # the CUDA section: ours (Triton) vs fla, see kda_cuda.py
+        import kda_cuda
+
+        return kda_cuda.main([a for a in argv if a != "--cuda"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
     p.add_argument("--H", type=int, default=4)

@@ -3,31 +3,25 @@
 One program per (value block, sequence, head) keeps its [K, BV] slice of the state in registers, in
 fp32, and walks the tokens: S <- S * exp(g_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
 The whole K dimension is in the block, so the optional q/k L2 norm (x / sqrt(sum x^2 + 1e-6)) is
-fused in. Forward only: kimi_hf's dispatcher uses the PyTorch path when gradients are needed.
+fused in, as are the gate activation g = -exp(A_log) softplus(f + dt_bias) and sigmoid(beta).
+Forward only: kimi_hf's dispatcher uses the PyTorch path when gradients are needed.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+from .common import configs, softplus
 
 
-def _configs():
-    if _INTERPRET:  # no driver to benchmark with: one fixed configuration
-        return [triton.Config({"BV": 32}, num_warps=1)]
-    return [triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (16, 32, 64) for w in (1, 2, 4) for s in (1, 2)]
-
-
-@triton.autotune(configs=_configs(), key=["K", "V", "L2NORM"])
+@triton.autotune(configs=configs({"BV": (16, 32, 64)}, {"BV": 32}), key=["K", "V", "L2NORM"])
 @triton.jit
-def _recurrent_kda_fwd(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
+def _recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, T,
                        H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       USE_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, L2NORM: tl.constexpr):
+                       USE_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, L2NORM: tl.constexpr,
+                       GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if VARLEN:
@@ -44,6 +38,10 @@ def _recurrent_kda_fwd(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
     p_state = i_nh.to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :]
     if USE_H0:
         S += tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
+    if GATE:
+        neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        if HAS_BIAS:
+            bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(bos, eos):
         row = t * H + i_h
         b_q = tl.load(q + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
@@ -51,6 +49,12 @@ def _recurrent_kda_fwd(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
         b_g = tl.load(g + row * K + o_k, mask=m_k, other=0.0).to(tl.float32)
         b_v = tl.load(v + row * V + o_v, mask=m_v, other=0.0).to(tl.float32)
         b_beta = tl.load(beta + row).to(tl.float32)
+        if BETA_SIGMOID:
+            b_beta = tl.sigmoid(b_beta)
+        if GATE:
+            if HAS_BIAS:
+                b_g += bias
+            b_g = neg_a * softplus(b_g)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -63,9 +67,12 @@ def _recurrent_kda_fwd(q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T,
         tl.store(ht + p_state, S, mask=m_kv)
 
 
-def recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False):
+def recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False,
+                  A_log=None, dt_bias=None, use_beta_sigmoid=False):
     """Same contract as kimi_hf.ops.recurrent_kda's implementations (inputs already checked):
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32 or None.
+    With A_log, g is the raw forget input f (dt_bias [H * K] or None); with use_beta_sigmoid, beta
+    holds logits.
     Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -76,6 +83,8 @@ def recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
     _recurrent_kda_fwd[grid](
-        q, k, v, g, beta, o, h0, ht, cu_seqlens, scale, T, H=H, K=K, V=V, BK=triton.next_power_of_2(K),
-        USE_H0=h0 is not None, STORE_HT=ht is not None, VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm)
+        q, k, v, g, beta, A_log, None if dt_bias is None else dt_bias.contiguous(), o, h0, ht, cu_seqlens, scale, T,
+        H=H, K=K, V=V, BK=triton.next_power_of_2(K), USE_H0=h0 is not None, STORE_HT=ht is not None,
+        VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm, GATE=A_log is not None, HAS_BIAS=dt_bias is not None,
+        BETA_SIGMOID=use_beta_sigmoid)
     return o, ht

@@ -10,6 +10,7 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 CASES = {
     "kda.py": ["--T", "64", "128", "--repeats", "1", "--no-memory"],
+    "kda_cuda.py": ["--smoke"],  # the CUDA section's script, on the interpreter (conftest sets TRITON_INTERPRET=1)
     "model.py": ["--T", "64", "--repeats", "1", "--decode-tokens", "2"],
     "optimizer_step.py": ["--hidden", "64", "--repeats", "1"],
     "muon_vs_adamw.py": ["--steps", "4", "--eval-every", "2", "--muon-steps", "2", "--hidden", "32", "--out", "{tmp}/m.png"],

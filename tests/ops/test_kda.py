@@ -236,7 +236,8 @@ def test_public_signatures_are_fixed():
     for fn in (chunk_kda, recurrent_kda):
         params = inspect.signature(fn).parameters
         assert list(params)[:5] == ["q", "k", "v", "g", "beta"]
-        kw = ["scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm", "backend"]
+        kw = ["scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm", "backend",
+              "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel"]
         assert [n for n in params if params[n].kind is inspect.Parameter.KEYWORD_ONLY] == kw
 
 
@@ -261,6 +262,10 @@ def _bad_cases():
     yield "cu_seqlens", ValueError, dict(ok, **{n: x.expand(2, *x.shape[1:]) for n, x in ok.items()}), dict(cu_seqlens=torch.tensor([0, 10]))
     yield "scale", ValueError, ok, dict(scale=-1.0)
     yield "backend", ValueError, ok, dict(backend="cuda")
+    yield "A_log", ValueError, ok, dict(A_log=torch.zeros(2))  # without use_gate_in_kernel
+    yield "A_log", TypeError, ok, dict(use_gate_in_kernel=True)
+    yield "A_log", ValueError, ok, dict(use_gate_in_kernel=True, A_log=torch.zeros(3))
+    yield "dt_bias", ValueError, ok, dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(8))
 
 
 @pytest.mark.parametrize("name,exc,tensors,kwargs", list(_bad_cases()))
@@ -268,3 +273,19 @@ def _bad_cases():
 def test_bad_input_raises_naming_the_argument(fn, name, exc, tensors, kwargs):
     with pytest.raises(exc, match=name.split(",")[0]):
         fn(**tensors, **kwargs)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_fused_gate_and_beta_sigmoid_equal_the_formulas(fn):
+    """use_gate_in_kernel / use_beta_sigmoid_in_kernel on the torch path: the same as applying
+    kda_gate and sigmoid first (gradients reach A_log and dt_bias)."""
+    q, k, v, f, beta = make_inputs(1, 70, 2, 8, 8, seed=4)
+    f, logits = f * -3.0, beta * 4 - 2
+    A_log, dt_bias = torch.tensor([0.3, 2.0], requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    o, S = fn(q, k, v, f, logits, output_final_state=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True)
+    o_ref, S_ref = fn(q, k, v, kda_mod.kda_gate(f, A_log.detach(), dt_bias.detach().flatten()), torch.sigmoid(logits),
+                      output_final_state=True)
+    assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(S, S_ref) <= 1e-6
+    o.sum().backward()
+    assert A_log.grad.abs().sum() > 0 and dt_bias.grad.abs().sum() > 0

@@ -70,7 +70,25 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
 # --------------------------------------------------------------------------------------------
 # Input checks
 # --------------------------------------------------------------------------------------------
-def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) -> tuple[float, int]:
+def _check_fusions(q, gate_args) -> None:
+    """Checks A_log [H] and dt_bias [H * K] (or [H, K]) of the fused gate (use_gate_in_kernel)."""
+    use_gate, A_log, dt_bias = gate_args
+    H, K = q.shape[2:]
+    if not use_gate:
+        if A_log is not None or dt_bias is not None:
+            raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True (g is then the raw forget input)")
+        return
+    for name, x, shapes in (("A_log", A_log, [(H,)]), ("dt_bias", dt_bias, [(H * K,), (H, K)])):
+        if x is None and name == "dt_bias":
+            continue
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor with use_gate_in_kernel=True, got {type(x).__name__}")
+        if tuple(x.shape) not in shapes or not x.is_floating_point() or x.device != q.device:
+            raise ValueError(f"{name} must be a floating-point tensor of shape {' or '.join(map(str, map(list, shapes)))} "
+                             f"on {q.device}, got {x.dtype} {list(x.shape)} on {x.device}")
+
+
+def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, gate_args=(False, None, None)) -> tuple[float, int]:
     """Validates the public arguments; returns (scale, number of sequences N)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
@@ -115,6 +133,7 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend) -
         if any(b < a for a, b in zip(cu, cu[1:])):
             raise ValueError("cu_seqlens must be non-decreasing")
         N = len(cu) - 1
+    _check_fusions(q, gate_args)
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
@@ -531,7 +550,10 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-def _select(backend, q, triton_impl, torch_impl):
+_TRITON_MAX_HEAD_DIM = 256  # the Triton kernels keep whole K and V rows in one tile
+
+
+def _select(backend, q, v, triton_impl, torch_impl):
     if backend == "reference":
         return naive_recurrent_kda
     if backend == "torch" or (backend is None and q.device.type != "cuda"):
@@ -542,10 +564,34 @@ def _select(backend, q, triton_impl, torch_impl):
         return torch_impl
     if q.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1), got tensors on {q.device}")
+    if q.dtype == torch.float64:  # exact-arithmetic checks (gradcheck) run on the fp64 PyTorch path
+        return torch_impl
+    if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
+        _warn_once("head-dim", f"kimi_hf: the Triton KDA kernels take head dims up to {_TRITON_MAX_HEAD_DIM}; using the PyTorch path")
+        return torch_impl
     return triton_impl
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, backend=None):
+def _run(impl, fused: bool, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+         use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+    """Calls an implementation; the gate activation and sigmoid(beta) are fused into the Triton
+    kernels and applied here, in fp32 and differentiably, for the others."""
+    kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    if fused:
+        kw.update(A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
+                  use_beta_sigmoid=use_beta_sigmoid_in_kernel)
+    else:
+        if use_gate_in_kernel:
+            g = kda_gate(g, A_log, None if dt_bias is None else dt_bias.reshape(-1))
+        if use_beta_sigmoid_in_kernel:
+            beta = torch.sigmoid(beta.to(_compute_dtype(q)))
+    o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, **kw)
+    return o.to(q.dtype), S
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+              use_qk_l2norm=False, backend=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+              use_beta_sigmoid_in_kernel=False):
     """Kimi Delta Attention over whole sequences (training, prefill).
 
     Args:
@@ -556,22 +602,27 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         cu_seqlens: [N + 1] integer offsets of packed sequences (FlashAttention convention; B must be 1).
         use_qk_l2norm: L2-normalise q and k per head in fp32 first.
         backend: None (by device: CUDA -> "triton", else "torch"), "torch", "reference" or "triton".
+        use_gate_in_kernel: g is the raw forget input f; the decay -exp(A_log) * softplus(f + dt_bias)
+            is computed inside (A_log [H], dt_bias [H * K] or None). fla's argument names.
+        use_beta_sigmoid_in_kernel: beta holds logits; sigmoid(beta) is computed inside.
     Returns:
         o [B, T, H, V] in q's dtype, and the final state [N, H, K, V] float32 (or None).
     """
-    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
-    impl = _select(backend, q, _triton_chunk_kda, _chunk_torch)
-    o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return o.to(q.dtype), S
+    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias))
+    impl = _select(backend, q, v, _triton_chunk_kda, _chunk_torch)
+    return _run(impl, impl is _triton_chunk_kda, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
 
 
-def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None, use_qk_l2norm=False, backend=None):
+def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
+                  use_qk_l2norm=False, backend=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
+                  use_beta_sigmoid_in_kernel=False):
     """Kimi Delta Attention by the token loop: the decode path (one or a few tokens per call,
     state in and out). Same arguments and results as `chunk_kda`."""
-    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend)
-    impl = _select(backend, q, _triton_recurrent_kda, _recurrent_torch)
+    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias))
+    impl = _select(backend, q, v, _triton_recurrent_kda, _recurrent_torch)
     if impl is _triton_recurrent_kda and torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state)):
-        impl = _recurrent_torch  # the fused kernel is forward-only
-    o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
-    return o.to(q.dtype), S
+            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+        impl = _recurrent_torch  # the fused recurrent kernel is forward-only
+    return _run(impl, impl is _triton_recurrent_kda, q, k, v, g, beta, scale, initial_state, output_final_state,
+                cu_seqlens, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)

@@ -32,7 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
-from .kda import chunk_kda, kda_gate, recurrent_kda
+from .kda import chunk_kda, recurrent_kda
 
 # PEFT LoRA targets recommended for the hybrid model: the KDA and MLA projections and the dense /
 # shared-expert SwiGLUs (routed experts are stacked parameters, not nn.Linear).
@@ -175,18 +175,22 @@ class KimiDeltaAttention(nn.Module):
         B, T, _ = hidden_states.shape
         shape = (B, T, self.num_heads, self.head_dim)
         q, k, v = (t.view(shape) for t in self._convolve(hidden_states, past_key_values, packed))
-        g = kda_gate(self.f_b_proj(self.f_a_proj(hidden_states)).view(shape), self.A_log, self.dt_bias)
-        beta = torch.sigmoid(self.b_proj(hidden_states).float())
+        # raw forget input and beta logits: the gate activation, sigmoid and q/k L2 norm run inside the
+        # KDA op (fused into the Triton kernels on CUDA, in fp32 torch on CPU)
+        f = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
+        beta = self.b_proj(hidden_states)
+        fused = dict(use_qk_l2norm=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
+                     use_beta_sigmoid_in_kernel=True)
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
         keep = past_key_values is not None
         if packed is not None:  # documents as variable-length sequences of one flattened row
-            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-            o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=keep, use_qk_l2norm=True)
+            flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, beta)]
+            o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=keep, **fused)
             o, S = o.view(B, T, *o.shape[2:]), (S[packed.last_doc] if keep else None)
         elif state is not None and T <= _RECURRENT_MAX_TOKENS:
-            o, S = recurrent_kda(q, k, v, g, beta, initial_state=state, output_final_state=True, use_qk_l2norm=True)
+            o, S = recurrent_kda(q, k, v, f, beta, initial_state=state, output_final_state=True, **fused)
         else:
-            o, S = chunk_kda(q, k, v, g, beta, initial_state=state, output_final_state=keep, use_qk_l2norm=True)
+            o, S = chunk_kda(q, k, v, f, beta, initial_state=state, output_final_state=keep, **fused)
         if keep:
             past_key_values.update_recurrent_state(S, self.layer_idx)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)

@@ -50,3 +50,16 @@ def test_gradients_fall_back_to_the_torch_path():
     o, _ = recurrent_kda(*inputs, backend="triton")
     o.sum().backward()  # the kernel is forward-only: the dispatcher took the differentiable path
     assert all(x.grad is not None for x in inputs)
+
+
+def test_fused_gate_and_beta_sigmoid():
+    """Decode with the gate activation and sigmoid(beta) inside the kernel, as the model calls it."""
+    q, k, v, f, beta = make_inputs(1, 5, 2, 16, 16, seed=6)
+    f = f * -4.0  # raw forget input: positive values, strong decay
+    A_log, dt_bias = torch.tensor([0.5, 2.5]), torch.randn(2 * 16)
+    kw = dict(output_final_state=True, use_qk_l2norm=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
+              use_beta_sigmoid_in_kernel=True, initial_state=torch.randn(1, 2, 16, 16))
+    with torch.no_grad():
+        o, S = recurrent_kda(q, k, v, f, beta, backend="triton", **kw)
+        o_ref, S_ref = recurrent_kda(q, k, v, f, beta, backend="reference", **kw)
+    assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5

@@ -1,0 +1,134 @@
+"""Chunked KDA on Triton: the autograd Function around the kernels of chunk_fwd / chunk_bwd.
+
+Saved for the backward: the inputs, G (fp32), X = (I + A)^-1 and P (fp32, [T, H, 64] each).
+W, U, the per-chunk states and v' are recomputed.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .chunk_bwd import intra_bwd_kernel, local_bwd_kernel, state_bwd_kernel, wy_bwd_kernel
+from .chunk_fwd import gate_cumsum_kernel, output_kernel, scores_kernel, state_kernel, wy_kernel
+from .common import CHUNK, INNER_BLOCK, MAX_HEAD_DIM, SUB, ChunkTables
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """[B, T, H, ...] -> contiguous [B * T, H, ...]."""
+    return x.reshape(-1, *x.shape[2:]).contiguous()
+
+
+def _operand_dtype(x: torch.Tensor) -> torch.dtype:
+    """Stored dot operands (W, U, v', per-chunk states) keep 16-bit inputs' dtype, else fp32."""
+    return x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
+
+
+class _Meta:
+    def __init__(self, tab, H, K, V, scale, l2norm, gate, beta_sigmoid):
+        self.tab, self.H, self.K, self.V, self.scale = tab, H, K, V, scale
+        # tl.dot needs every dimension >= 16
+        self.BK, self.BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
+        self.l2norm, self.gate, self.beta_sigmoid = l2norm, gate, beta_sigmoid
+
+    def common(self):
+        return dict(H=self.H, K=self.K, BT=CHUNK, BK=self.BK)
+
+
+def _recompute_states(m, q, k, v, beta, G, X, h0, want_final):
+    """W, U from X, then the per-chunk states and v' (the forward's stages 3-4)."""
+    T, H, K, V, tab, dt = q.shape[0], m.H, m.K, m.V, m.tab, _operand_dtype(q)
+    W = torch.empty(T, H, K, dtype=dt, device=q.device)
+    U = torch.empty(T, H, V, dtype=dt, device=q.device)
+    wy_kernel[(tab.num_chunks, H)](k, v, beta, G, None, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=m.BV,
+                                   L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid, INVERT=False, **m.common())
+    hs = torch.empty(tab.num_chunks, H, K, V, dtype=dt, device=q.device)
+    vnew = torch.empty(T, H, V, dtype=dt, device=q.device)
+    ht = torch.empty(tab.N, H, K, V, dtype=torch.float32, device=q.device) if want_final else None
+    grid = lambda meta: (triton.cdiv(V, meta["BV"]), tab.N * H)  # noqa: E731
+    state_kernel[grid](k, W, U, G, h0, hs, vnew, ht, tab.bos, tab.length, tab.seq, V=V, L2NORM=m.l2norm,
+                       USE_H0=h0 is not None, STORE_HT=want_final, **m.common())
+    return W, hs, vnew, ht
+
+
+class ChunkKDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, A_log, dt_bias, h0, meta: _Meta, want_final: bool):
+        T, H, K, V, tab = q.shape[0], meta.H, meta.K, meta.V, meta.tab
+        new32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
+        G, A, P, X = new32(T, H, K), new32(T, H, CHUNK), new32(T, H, CHUNK), new32(T, H, CHUNK)
+        grid = (tab.num_chunks, H)
+        gate_cumsum_kernel[grid](g, A_log, dt_bias, G, tab.bos, tab.length, GATE=meta.gate,
+                                 HAS_BIAS=dt_bias is not None, **meta.common())
+        scores_kernel[grid](q, k, beta, G, A, P, tab.bos, tab.length, meta.scale, BC=SUB, L2NORM=meta.l2norm,
+                            BETA_SIGMOID=meta.beta_sigmoid, **meta.common())
+        dt = _operand_dtype(q)
+        W, U = torch.empty(T, H, K, dtype=dt, device=q.device), torch.empty(T, H, V, dtype=dt, device=q.device)
+        wy_kernel[grid](k, v, beta, G, A, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=meta.BV, L2NORM=meta.l2norm,
+                        BETA_SIGMOID=meta.beta_sigmoid, INVERT=True, **meta.common())
+        del A, W, U  # the recurrence recomputes W, U from X (cheap) to keep one code path
+        _, hs, vnew, ht = _recompute_states(meta, q, k, v, beta, G, X, h0, want_final)
+        o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
+        out_grid = lambda m: (triton.cdiv(V, m["BV"]), tab.num_chunks, H)  # noqa: E731
+        output_kernel[out_grid](q, G, P, hs, vnew, o, tab.bos, tab.length, meta.scale, V=V, L2NORM=meta.l2norm,
+                                **meta.common())
+        ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, G, X, P)
+        ctx.meta = meta
+        return o, ht
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, A_log, dt_bias, h0, G, X, P = ctx.saved_tensors
+        m = ctx.meta
+        T, H, K, V, tab = q.shape[0], m.H, m.K, m.V, m.tab
+        do = do.contiguous()  # autograd may hand over expanded (stride-0) gradients
+        dht = dht.float().contiguous() if dht is not None else None
+        W, hs, vnew, _ = _recompute_states(m, q, k, v, beta, G, X, h0, False)
+        new32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
+        dhs, dvnew = new32(tab.num_chunks, H, K, V), new32(T, H, V)
+        dh0 = new32(tab.N, H, K, V) if h0 is not None else None
+        grid = lambda meta: (triton.cdiv(V, meta["BV"]), tab.N * H)  # noqa: E731
+        state_bwd_kernel[grid](q, k, G, W, P, do, dht, dh0, dhs, dvnew, tab.bos, tab.length, tab.seq, m.scale, V=V,
+                               L2NORM=m.l2norm, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **m.common())
+        dq1, dk1, dG1, dW, dP = new32(T, H, K), new32(T, H, K), new32(T, H, K), new32(T, H, K), new32(T, H, CHUNK)
+        cgrid = (tab.num_chunks, H)
+        local_bwd_kernel[(tab.num_chunks, H, triton.cdiv(K, INNER_BLOCK))](
+            q, k, G, hs, dhs, vnew, dvnew, do, dq1, dk1, dG1, dW, dP, tab.bos, tab.length, m.scale, H=H, K=K, V=V,
+            BT=CHUNK, BKB=INNER_BLOCK, BV=INNER_BLOCK, L2NORM=m.l2norm)
+        dk2, dG2, dA, dbeta2 = new32(T, H, K), new32(T, H, K), new32(T, H, CHUNK), new32(T, H)
+        dv = torch.empty_like(v)
+        wy_bwd_kernel[cgrid](k, v, beta, G, X, dW, dvnew, dk2, dG2, dv, dbeta2, dA, tab.bos, tab.length, H=H, K=K, V=V,
+                             BT=CHUNK, BKB=INNER_BLOCK, BV=INNER_BLOCK, L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid)
+        dq, dk, dg, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(beta)
+        dA_log = new32(tab.num_chunks, H) if m.gate else None
+        intra_bwd_kernel[cgrid](q, k, g, beta, A_log, dt_bias, G, dA, dP, dq1, dk1, dG1, dk2, dG2, dbeta2,
+                                dq, dk, dg, dbeta, dA_log, tab.bos, tab.length, m.scale, BC=SUB, L2NORM=m.l2norm,
+                                BETA_SIGMOID=m.beta_sigmoid, GATE=m.gate, HAS_BIAS=dt_bias is not None, **m.common())
+        d_alog = d_bias = None
+        if m.gate:
+            d_alog = dA_log.sum(0).to(A_log.dtype)
+            if dt_bias is not None:  # dt_bias enters as f + dt_bias: its gradient is df summed over tokens
+                d_bias = dg.float().sum(0).reshape(-1).to(dt_bias.dtype)
+        return dq, dk, dv, dg, dbeta, d_alog, d_bias, dh0, None, None
+
+
+def chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False,
+              A_log=None, dt_bias=None, use_beta_sigmoid=False):
+    """Chunked KDA (forward and backward on Triton), same contract as kimi_hf.ops.chunk_kda's
+    implementations (inputs already checked): q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]
+    (the log-decay, or the raw forget projection f when A_log is given: g = -exp(A_log) *
+    softplus(f + dt_bias) is then computed inside); beta [B, T, H] (logits when use_beta_sigmoid);
+    initial_state [N, H, K, V] fp32 or None. K and V up to 256.
+    Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        raise ValueError(f"the Triton KDA kernels take head dims up to {MAX_HEAD_DIM}, got K={K}, V={V}")
+    tab = ChunkTables(B, T, cu_seqlens, q.device)
+    meta = _Meta(tab, H, K, V, float(scale), bool(use_qk_l2norm), A_log is not None, bool(use_beta_sigmoid))
+    h0 = initial_state.float().contiguous() if initial_state is not None else None
+    o, ht = ChunkKDAFunction.apply(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta),
+                                   A_log.contiguous() if A_log is not None else None,
+                                   dt_bias.contiguous() if dt_bias is not None else None, h0, meta, bool(output_final_state))
+    return o.view(B, T, H, V), ht

@@ -9,7 +9,7 @@ num_experts_per_token, num_shared_experts, moe_renormalize, first_k_dense_replac
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
-from transformers.configuration_utils import PreTrainedConfig
+from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
 MLP_LAYER_TYPES = ("dense", "sparse")  # SwiGLU, MoE
@@ -167,4 +167,104 @@ class KimiHybridTextConfig(PreTrainedConfig):
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
 
 
-__all__ = ["KimiHybridTextConfig", "kimi_linear_layer_types", "LAYER_TYPES", "MLP_LAYER_TYPES"]
+@strict
+class KimiHybridVisionConfig(PreTrainedConfig):
+    r"""
+    MoonViT-style vision tower (Kimi K2.5's field names and defaults): patch_size x patch_size patches
+    at native resolution, a learned pos_emb_height x pos_emb_width position table resampled
+    bicubically to each image, a sinusoid per frame for video (pos_emb_time), axial 2D RoPE over the
+    whole head (rope_parameters: rope_type "axial", rope_theta), pre-LN blocks, then
+    merge_kernel_size patches merged into one token.
+    """
+
+    model_type = "kimi_hybrid_vision"
+    base_config_key = "vision_config"
+
+    patch_size: int = 14
+    hidden_size: int = 1152
+    num_hidden_layers: int = 27
+    num_attention_heads: int = 16
+    intermediate_size: int = 4304
+    hidden_act: str = "gelu_pytorch_tanh"
+    merge_kernel_size: tuple[int, int] | list[int] = (2, 2)
+    pos_emb_height: int = 64
+    pos_emb_width: int = 64
+    pos_emb_time: int = 4
+    rope_parameters: dict | None = None
+    layer_norm_eps: float = 1e-5
+    initializer_range: float = 0.02
+
+    def __post_init__(self, **kwargs):
+        self.merge_kernel_size = list(self.merge_kernel_size)
+        if self.rope_parameters is None:
+            self.rope_parameters = {"rope_type": "axial", "rope_theta": 10000.0}
+        self._validate()
+        super().__post_init__(**kwargs)
+
+    def validate_architecture(self):
+        self._validate()
+
+    def _validate(self):
+        for name in ("patch_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+            raise ValueError(f"hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) must be "
+                             "an integer head size divisible by 4 (axial 2D RoPE)")
+        mk = self.merge_kernel_size
+        if len(mk) != 2 or any(not isinstance(m, int) or m < 1 for m in mk):
+            raise ValueError(f"merge_kernel_size must be two positive integers, got {mk!r}")
+        if self.rope_parameters.get("rope_type", "axial") != "axial":
+            raise ValueError(f"rope_parameters.rope_type must be 'axial', got {self.rope_parameters.get('rope_type')!r}")
+
+
+@strict
+class KimiHybridConfig(PreTrainedConfig):
+    r"""
+    The early-fusion multimodal model: a hybrid KDA/MLA text decoder (`text_config`) and a MoonViT
+    vision tower (`vision_config`) whose merged patches are projected into the text stream at the
+    `image_token_id` placeholders (one per merged patch).
+
+    Args:
+        text_config: KimiHybridTextConfig or its dict; vision_config: KimiHybridVisionConfig or its dict.
+        image_token_id: the placeholder id (`<|media_pad|>`); media_begin_token_id / media_end_token_id:
+            the markers around an image in the chat markup (optional).
+        projection_layer_norm_eps: eps of the projector's per-patch LayerNorm.
+    """
+
+    model_type = "kimi_hybrid"
+    sub_configs_defaults = {
+        "text_config": SubConfigSpec(config_class=KimiHybridTextConfig),
+        "vision_config": SubConfigSpec(config_class=KimiHybridVisionConfig),
+    }
+
+    text_config: dict | PreTrainedConfig | None = None
+    vision_config: dict | PreTrainedConfig | None = None
+    image_token_id: int = 163605
+    media_begin_token_id: int | None = None
+    media_end_token_id: int | None = None
+    projection_layer_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self._validate()
+
+    def validate_architecture(self):
+        self._validate()
+
+    def _validate(self):
+        vocab = self.text_config.vocab_size
+        for name in ("image_token_id", "media_begin_token_id", "media_end_token_id"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, int) and 0 <= value < vocab):
+                raise ValueError(f"{name} must be a token id in [0, text_config.vocab_size = {vocab}), got {value!r}")
+
+    def get_text_config(self, *args, **kwargs):
+        return self.text_config
+
+
+__all__ = ["KimiHybridTextConfig", "KimiHybridVisionConfig", "KimiHybridConfig", "kimi_linear_layer_types",
+           "LAYER_TYPES", "MLP_LAYER_TYPES"]

@@ -619,20 +619,26 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
             output_router_logits=output_router_logits, **kwargs)
-        hidden_states = outputs.last_hidden_state
-        keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-        logits = self.lm_head(hidden_states[:, keep, :])
-        loss = aux_loss = None
-        if labels is not None:
-            loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
-        if output_router_logits and outputs.router_logits:
-            aux_loss = router_load_balancing_loss(outputs.router_logits, self.config.num_experts_per_tok, attention_mask)
-            if loss is not None:
-                loss = loss + self.config.router_aux_loss_coef * aux_loss.to(loss.device)
-        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
-                                         attentions=outputs.attentions, router_logits=outputs.router_logits,
-                                         **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)))
+        return lm_output(self, outputs, self.config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs)
 
+
+def lm_output(model: PreTrainedModel, outputs: MoeModelOutputWithPast, text_config: KimiHybridTextConfig, labels,
+              attention_mask, logits_to_keep, output_router_logits: bool, **kwargs) -> MoeCausalLMOutputWithPast:
+    """The language-model head on a decoder's outputs: logits (of the last `logits_to_keep` positions),
+    the shifted cross-entropy when labels are given, plus the weighted router load-balancing loss
+    when `output_router_logits`. Shared by the text-only and the multimodal models."""
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = model.lm_head(outputs.last_hidden_state[:, keep, :])
+    loss = aux_loss = None
+    if labels is not None:
+        loss = model.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+    if output_router_logits and outputs.router_logits:
+        aux_loss = router_load_balancing_loss(outputs.router_logits, text_config.num_experts_per_tok, attention_mask)
+        if loss is not None:
+            loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
+                                     attentions=outputs.attentions, router_logits=outputs.router_logits,
+                                     **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)))
 
 __all__ = [
     "LORA_TARGET_MODULES",

@@ -1,5 +1,7 @@
 """Tiny configs shared by the model tests."""
 
+import functools
+
 import torch
 
 from kimi_hf import KimiHybridTextConfig
@@ -18,3 +20,31 @@ def tiny_config(**overrides) -> KimiHybridTextConfig:
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+TINY_VISION = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, pos_emb_height=8,
+                   pos_emb_width=8)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_tokenizer():
+    """A 600-token byte-level BPE with Kimi's chat/media tokens, trained on a few stdlib sources."""
+    from kimi_hf.data import stdlib_source_files
+    from kimi_hf.tokenization import train_tokenizer
+
+    return train_tokenizer([open(p, encoding="utf-8").read() for p in stdlib_source_files()[:20]], vocab_size=600)
+
+
+def tiny_processor():
+    from kimi_hf import KimiHybridImageProcessor, KimiHybridProcessor
+
+    return KimiHybridProcessor(KimiHybridImageProcessor(), tiny_tokenizer())
+
+
+def tiny_multimodal_config(**text_overrides):
+    from kimi_hf import KimiHybridConfig
+
+    tok = tiny_tokenizer()
+    text = dict(TINY, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, **text_overrides)
+    return KimiHybridConfig(text_config=text, vision_config=TINY_VISION, image_token_id=tok.convert_tokens_to_ids("<|media_pad|>"))

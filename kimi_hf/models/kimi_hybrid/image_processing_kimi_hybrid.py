@@ -1,0 +1,127 @@
+"""Image processor for the early-fusion model, on PIL + numpy + torch (no torchvision).
+
+Kimi K2.5's policy (SPEC 3): never upscale; shrink so that the image has at most `max_patches`
+patches and at most `max_patches_per_side` patches per side; pad (bottom/right, black) to multiples
+of patch_size * merge_size; rescale by 1/255; normalise with mean = std = 0.5; cut into patches.
+
+    KimiHybridImageProcessor()(images=[...], return_tensors="pt")
+        -> pixel_values [sum of patches, 3, p, p] (float32), image_grid_thw [num_images, 3] = (1, h, w)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
+
+
+def _to_rgb_uint8(image, index: int) -> np.ndarray:
+    """Any supported image -> [H, W, 3] uint8. Grayscale is replicated, alpha composited over white."""
+    if isinstance(image, (str, os.PathLike)):
+        with Image.open(image) as im:
+            image = im.copy()
+    if isinstance(image, Image.Image):
+        if image.width == 0 or image.height == 0:
+            raise ValueError(f"images[{index}] is empty ({image.width} x {image.height} pixels)")
+        if image.mode in ("RGBA", "LA") or (image.mode == "P" and "transparency" in image.info):
+            rgba = image.convert("RGBA")
+            background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+            image = Image.alpha_composite(background, rgba)
+        return np.asarray(image.convert("RGB"))
+    if isinstance(image, torch.Tensor):
+        image = image.detach().cpu().numpy()
+    if not isinstance(image, np.ndarray):
+        raise TypeError(f"images[{index}] must be a PIL image, a numpy array, a torch tensor or a path, got {type(image).__name__}")
+    arr = image
+    if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+        arr = arr.transpose(1, 2, 0)  # channels first -> last
+    if arr.ndim == 2:
+        arr = arr[..., None]
+    if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
+        raise ValueError(f"images[{index}] must be [H, W], [H, W, C] or [C, H, W] with C in 1, 3, 4; got shape {image.shape}")
+    if arr.shape[0] == 0 or arr.shape[1] == 0:
+        raise ValueError(f"images[{index}] is empty (shape {image.shape})")
+    if arr.dtype != np.uint8:
+        arr = arr.astype(np.float32)
+        if not np.isfinite(arr).all():
+            raise ValueError(f"images[{index}] contains NaN or infinite values")
+        if arr.max(initial=0.0) <= 1.0:  # float images in [0, 1]
+            arr = arr * 255.0
+        arr = np.clip(np.rint(arr), 0, 255).astype(np.uint8)
+    if arr.shape[-1] == 1:
+        arr = np.repeat(arr, 3, axis=-1)
+    elif arr.shape[-1] == 4:
+        alpha = arr[..., 3:].astype(np.float32) / 255.0
+        arr = np.rint(arr[..., :3] * alpha + 255.0 * (1.0 - alpha)).astype(np.uint8)
+    return arr
+
+
+class KimiHybridImageProcessor(BaseImageProcessor):
+    model_input_names = ["pixel_values", "image_grid_thw"]
+
+    def __init__(self, patch_size: int = 14, merge_size: int = 2, max_patches: int = 16384, max_patches_per_side: int = 512,
+                 image_mean: tuple[float, ...] = (0.5, 0.5, 0.5), image_std: tuple[float, ...] = (0.5, 0.5, 0.5),
+                 rescale_factor: float = 1 / 255, **kwargs):
+        super().__init__(**kwargs)
+        for name, value in (("patch_size", patch_size), ("merge_size", merge_size), ("max_patches", max_patches),
+                            ("max_patches_per_side", max_patches_per_side)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if len(image_mean) != 3 or len(image_std) != 3 or min(image_std) <= 0:
+            raise ValueError(f"image_mean and image_std need 3 values (std > 0), got {image_mean}, {image_std}")
+        self.patch_size, self.merge_size = patch_size, merge_size
+        self.max_patches, self.max_patches_per_side = max_patches, max_patches_per_side
+        self.image_mean, self.image_std = list(image_mean), list(image_std)
+        self.rescale_factor = rescale_factor
+
+    def target_size(self, height: int, width: int) -> tuple[tuple[int, int], tuple[int, int]]:
+        """((resized h, w), (padded h, w)) for an image of height x width pixels (K2.5's rule)."""
+        p = self.patch_size
+        patches = max(1, height // p) * max(1, width // p)
+        side = self.max_patches_per_side * p
+        scale = min(1.0, math.sqrt(self.max_patches / patches), side / height, side / width)
+        h, w = min(max(1, int(height * scale)), side), min(max(1, int(width * scale)), side)
+        factor = p * self.merge_size
+        return (h, w), (-(-h // factor) * factor, -(-w // factor) * factor)
+
+    def get_number_of_image_patches(self, height: int, width: int, images_kwargs: dict | None = None) -> int:
+        (_, _), (ph, pw) = self.target_size(height, width)
+        return (ph // self.patch_size) * (pw // self.patch_size)
+
+    def get_number_of_image_tokens(self, height: int, width: int) -> int:
+        """Placeholder tokens the image takes in the text stream (one per merged patch group)."""
+        return self.get_number_of_image_patches(height, width) // self.merge_size**2
+
+    def _one(self, image, index: int) -> tuple[np.ndarray, tuple[int, int, int]]:
+        arr = _to_rgb_uint8(image, index)
+        (h, w), (ph, pw) = self.target_size(*arr.shape[:2])
+        if (h, w) != arr.shape[:2]:
+            arr = np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC))
+        padded = np.zeros((ph, pw, 3), dtype=np.float32)
+        padded[:h, :w] = arr
+        x = (padded * self.rescale_factor - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
+        p = self.patch_size
+        gh, gw = ph // p, pw // p
+        patches = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
+        return patches, (1, gh, gw)
+
+    def preprocess(self, images, return_tensors: str | None = "pt", **kwargs) -> BatchFeature:
+        if images is None or (isinstance(images, (list, tuple)) and len(images) == 0):
+            raise ValueError("images is empty: pass one image or a list of images")
+        if not isinstance(images, (list, tuple)):
+            images = [images]
+        flat = [im for item in images for im in (item if isinstance(item, (list, tuple)) else [item])]
+        done = [self._one(im, i) for i, im in enumerate(flat)]
+        pixel_values = np.concatenate([d[0] for d in done])
+        grid = np.asarray([d[1] for d in done], dtype=np.int64)
+        return BatchFeature(data={"pixel_values": pixel_values, "image_grid_thw": grid}, tensor_type=return_tensors)
+
+    def __call__(self, images=None, return_tensors: str | None = "pt", **kwargs) -> BatchFeature:
+        return self.preprocess(images, return_tensors=return_tensors, **kwargs)
+
+
+__all__ = ["KimiHybridImageProcessor"]

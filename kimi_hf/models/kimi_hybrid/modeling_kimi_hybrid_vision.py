@@ -1,0 +1,234 @@
+"""MoonViT-style vision tower (Kimi K2.5's, same module and weight names) and the projector into the
+text stream.
+
+Images arrive as one flat sequence of patches at native resolution: pixel_values [N, 3, p, p] and
+grid_thw [num_images, 3] = (t, h, w) per image (t frames of h x w patches, raster order). Each image
+attends only to itself. Output: per merged 2 x 2 group of patches, one text-sized embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+from transformers.activations import ACT2FN
+from transformers.modeling_layers import GradientCheckpointingLayer
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+
+from .configuration_kimi_hybrid import KimiHybridVisionConfig
+from .modeling_kimi_hybrid import eager_attention_forward
+
+
+def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: tuple[int, int]) -> list[tuple[int, int, int]]:
+    """Validates grid_thw against pixel_values; returns the rows as Python ints."""
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
+        raise ValueError(f"image_grid_thw must be an integer tensor [num_images, 3], got {getattr(grid_thw, 'shape', grid_thw)}")
+    rows = [tuple(int(x) for x in r) for r in grid_thw.tolist()]
+    if any(min(r) < 1 or r[1] % merge[0] or r[2] % merge[1] for r in rows):
+        raise ValueError(f"image_grid_thw rows must be positive with h, w divisible by the merge kernel {merge}, got {rows}")
+    total = sum(t * h * w for t, h, w in rows)
+    if pixel_values.shape[0] != total:
+        raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {total}")
+    return rows
+
+
+class KimiHybridVisionPositionEmbedding(nn.Module):
+    """Learned [H, W, D] table, resampled bicubically (align_corners=False) to each image's h x w,
+    plus a fixed sinusoid per frame of a video (row 0: none, for single images)."""
+
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__()
+        self.dim = config.hidden_size
+        self.num_frames = config.pos_emb_time
+        self.position_embeddings = nn.Parameter(torch.zeros(config.pos_emb_height, config.pos_emb_width, config.hidden_size))
+        self.register_buffer("time_position_embeddings", self.sinusoid(), persistent=False)
+
+    def sinusoid(self) -> torch.Tensor:
+        """[pos_emb_time + 1, D]: a zero row, then sin/cos of frame f over D/2 frequencies."""
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.dim, 2, dtype=torch.float32) / self.dim))
+        freqs = torch.outer(torch.arange(self.num_frames, dtype=torch.float32), inv_freq)
+        return torch.cat([torch.zeros(1, self.dim), torch.cat([freqs.sin(), freqs.cos()], dim=1)])
+
+    def forward(self, x: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
+        table = self.position_embeddings
+        resampled = {}
+        parts = []
+        for t, h, w in grid:
+            if (h, w) not in resampled:
+                if (h, w) == tuple(table.shape[:2]):
+                    resampled[h, w] = table.flatten(0, 1)
+                else:
+                    grid_hw = F.interpolate(table.permute(2, 0, 1)[None].float(), size=(h, w), mode="bicubic", align_corners=False)
+                    resampled[h, w] = grid_hw[0].flatten(1).t().to(table.dtype)
+            pos = resampled[h, w]
+            if t > 1:  # frame f of a video gets sinusoid row f + 1
+                pos = (pos[None] + self.time_position_embeddings[1 : t + 1, None].to(pos.dtype)).flatten(0, 1)
+            parts.append(pos)
+        return x + torch.cat(parts).to(x.dtype)
+
+
+class KimiHybridVisionPatchEmbed(nn.Module):
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__()
+        self.proj = nn.Conv2d(3, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size)
+        self.pos_emb = KimiHybridVisionPositionEmbedding(config)
+
+    def forward(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
+        # a patch-sized, patch-strided conv on one patch is a matmul: [N, 3 p p] x [3 p p, D]
+        w = self.proj.weight
+        x = F.linear(pixel_values.reshape(pixel_values.shape[0], -1).to(w.dtype), w.flatten(1), self.proj.bias)
+        return self.pos_emb(x, grid)
+
+
+def axial_rope(grid: list[tuple[int, int, int]], head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] of K2.5's axial 2D RoPE: head_dim / 4 frequencies; the angle pairs
+    alternate (w, h) per frequency, and the whole head is rotated (rotate-half convention)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2)))
+    pos = []
+    for t, h, w in grid:
+        hh, ww = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
+        pos.append(torch.stack([hh.flatten(), ww.flatten()], -1).repeat(t, 1))
+    freqs = torch.cat(pos).float()[..., None] * inv_freq  # [N, 2 (h, w), hd/4]
+    freqs = freqs.transpose(1, 2).flip(-1).flatten(1)  # [N, hd/2]: w0, h0, w1, h1, ...
+    freqs = torch.cat([freqs, freqs], -1)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, hd] rotated in fp32 (rotate-half), returned in x's dtype."""
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]).to(x.dtype)
+
+
+class KimiHybridVisionAttention(nn.Module):
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__()
+        self.config = config
+        self.num_heads = config.num_attention_heads
+        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.scaling = self.head_dim**-0.5
+        self.is_causal = False
+        self.num_key_value_groups = 1
+        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        """x [N, D]; each image (a run of `lengths`) attends to itself only."""
+        N = x.shape[0]
+        shape = (N, self.num_heads, self.head_dim)
+        q = apply_rope(self.q_proj(x).view(shape), *rope)
+        k = apply_rope(self.k_proj(x).view(shape), *rope)
+        v = self.v_proj(x).view(shape)
+        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        outs = []
+        for qi, ki, vi in zip(*(t.transpose(0, 1).unsqueeze(0).split(lengths, dim=2) for t in (q, k, v))):
+            outs.append(attend(self, qi, ki, vi, None, scaling=self.scaling, dropout=0.0, is_causal=False)[0])
+        return self.proj(torch.cat(outs, dim=1).reshape(N, -1))
+
+
+class KimiHybridVisionMLP(nn.Module):
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__()
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = ACT2FN[config.hidden_act]
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.act(self.fc1(x)))
+
+
+class KimiHybridVisionEncoderLayer(GradientCheckpointingLayer):
+    """Pre-LN transformer block."""
+
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.attn = KimiHybridVisionAttention(config)
+        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.mlp = KimiHybridVisionMLP(config)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, lengths)
+        return x + self.mlp(self.norm2(x))
+
+
+def merge_patches(x: torch.Tensor, grid: list[tuple[int, int, int]], merge: tuple[int, int]) -> torch.Tensor:
+    """[N, D] patches -> [M, kh * kw, D]: merged token m gathers its kh x kw patches (raster order
+    inside the group), averaged over the frames of a video."""
+    kh, kw = merge
+    rows, start = [], 0
+    for t, h, w in grid:
+        base = torch.arange(start, start + t * h * w, device=x.device).view(t, h // kh, kh, w // kw, kw)
+        rows.append(base.permute(1, 3, 0, 2, 4).reshape(-1, t, kh * kw))  # [M_i, t, kh kw]
+        start += t * h * w
+    if len({t for t, _, _ in grid}) == 1:  # one gather for the whole batch
+        return x[torch.cat(rows)].mean(dim=1)
+    return torch.cat([x[r].mean(dim=1) for r in rows])
+
+
+class KimiHybridVisionPreTrainedModel(PreTrainedModel):
+    config: KimiHybridVisionConfig
+    config_class = KimiHybridVisionConfig
+    base_model_prefix = "vision_tower"
+    main_input_name = "pixel_values"
+    input_modalities = ("image",)
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["KimiHybridVisionEncoderLayer"]
+    _supports_sdpa = True
+    _supports_attention_backend = True
+
+    @torch.no_grad()
+    def _init_weights(self, module):
+        super()._init_weights(module)
+        if isinstance(module, KimiHybridVisionPositionEmbedding):
+            init.trunc_normal_(module.position_embeddings, mean=0.0, std=self.config.initializer_range)
+            init.copy_(module.time_position_embeddings, module.sinusoid())
+
+
+class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
+    """forward(pixel_values [N, 3, p, p], grid_thw [I, 3]) -> last_hidden_state [N, D] (after the final
+    LayerNorm) and pooler_output [M, kh * kw, D]: the patches of each merged token (frames averaged)."""
+
+    def __init__(self, config: KimiHybridVisionConfig):
+        super().__init__(config)
+        self.merge_kernel_size = tuple(config.merge_kernel_size)
+        self.patch_embed = KimiHybridVisionPatchEmbed(config)
+        self.layers = nn.ModuleList([KimiHybridVisionEncoderLayer(config) for _ in range(config.num_hidden_layers)])
+        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.gradient_checkpointing = False
+        self.post_init()
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> BaseModelOutputWithPooling:
+        grid = check_grid(pixel_values, grid_thw, self.merge_kernel_size)
+        x = self.patch_embed(pixel_values, grid)
+        head_dim = self.config.hidden_size // self.config.num_attention_heads
+        rope = axial_rope(grid, head_dim, self.config.rope_parameters["rope_theta"], x.device)
+        lengths = [t * h * w for t, h, w in grid]
+        for layer in self.layers:
+            x = layer(x, rope, lengths)
+        x = self.final_layernorm(x)
+        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=merge_patches(x, grid, self.merge_kernel_size))
+
+
+class KimiHybridMultimodalProjector(nn.Module):
+    """Merged patches [M, k, D] -> per-patch LayerNorm -> [M, k D] -> Linear -> GELU -> Linear -> [M, text hidden]."""
+
+    def __init__(self, vision_hidden: int, merge: int, text_hidden: int, eps: float = 1e-5):
+        super().__init__()
+        self.hidden_size = vision_hidden * merge
+        self.pre_norm = nn.LayerNorm(vision_hidden, eps=eps)
+        self.in_proj = nn.Linear(self.hidden_size, self.hidden_size)
+        self.act = nn.GELU()
+        self.out_proj = nn.Linear(self.hidden_size, text_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.pre_norm(x).reshape(x.shape[0], self.hidden_size)
+        return self.out_proj(self.act(self.in_proj(x)))
+
+
+__all__ = ["KimiHybridVisionModel", "KimiHybridVisionPreTrainedModel", "KimiHybridMultimodalProjector"]

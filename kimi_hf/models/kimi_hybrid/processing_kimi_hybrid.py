@@ -1,0 +1,84 @@
+"""Processor of the early-fusion model: the image processor and the tokenizer, and the chat markup.
+
+Each image placeholder (`<|media_pad|>`, inside K2.5's markup
+`<|media_begin|>image<|media_content|><|media_pad|><|media_end|>`) is expanded to one token per
+merged patch group of its image (h * w / merge^2), images taken in order across the batch; the model
+writes the image features into exactly those positions.
+"""
+
+from __future__ import annotations
+
+from transformers.feature_extraction_utils import BatchFeature
+from transformers.processing_utils import ProcessorMixin
+
+IMAGE_TOKEN = "<|media_pad|>"
+IMAGE_MARKUP = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+
+# Kimi's chat markup; content is a string or a list of {"type": "text" | "image", ...} parts
+CHAT_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
+    "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+    "{%- if message['content'] is string -%}{{ message['content'] }}"
+    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- if part['type'] == 'image' -%}" + IMAGE_MARKUP +
+    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}<|im_end|>"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
+)
+
+
+class KimiHybridProcessor(ProcessorMixin):
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE)
+        self.image_token = getattr(tokenizer, "image_token", None) or IMAGE_TOKEN
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
+            raise ValueError(f"the tokenizer has no {self.image_token!r} token (the image placeholder)")
+
+    def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
+        """text: a string or a list of strings with one placeholder per image; images: an image, a list
+        of images, or one list per prompt (flattened in order). Returns input_ids, attention_mask and,
+        with images, pixel_values and image_grid_thw."""
+        if text is None:
+            raise ValueError("text is required (with one image placeholder per image)")
+        texts = [text] if isinstance(text, str) else list(text)
+        if not all(isinstance(t, str) for t in texts):
+            raise TypeError("text must be a string or a list of strings")
+        return_tensors = kwargs.pop("return_tensors", "pt")
+        kwargs.pop("images_kwargs", None)
+        image_inputs = {}
+        slots = sum(t.count(self.image_token) for t in texts)
+        if images is not None and not (isinstance(images, (list, tuple)) and len(images) == 0):
+            image_inputs = self.image_processor(images, return_tensors="pt")
+            grid = image_inputs["image_grid_thw"]
+            if slots != len(grid):
+                raise ValueError(f"text has {slots} image placeholders ({self.image_token}) but {len(grid)} images were given")
+            merge = self.image_processor.merge_size ** 2
+            counts = iter((grid.prod(-1) // merge).tolist())
+            marker = "\0image\0"  # expand each placeholder exactly once, in order
+            texts = [t.replace(self.image_token, marker) for t in texts]
+            texts = ["".join(part if i == 0 else self.image_token * next(counts) + part
+                             for i, part in enumerate(t.split(marker))) for t in texts]
+        elif slots:
+            raise ValueError(f"text has {slots} image placeholders ({self.image_token}) but no images were given")
+        text_kwargs = {k: v for k, v in kwargs.items() if k not in ("videos", "audio")}
+        text_kwargs.pop("text_kwargs", None)
+        encoded = self.tokenizer(texts, return_tensors=return_tensors, **text_kwargs)
+        return BatchFeature(data={**encoded, **image_inputs}, tensor_type=return_tensors)
+
+    def num_image_tokens(self, height: int, width: int) -> int:
+        """Placeholder tokens an image of height x width pixels takes."""
+        return self.image_processor.get_number_of_image_tokens(height, width)
+
+    def post_process_image_text_to_text(self, generated_outputs, skip_special_tokens=True, **kwargs):
+        return self.tokenizer.batch_decode(generated_outputs, skip_special_tokens=skip_special_tokens, **kwargs)
+
+    @property
+    def model_input_names(self) -> list[str]:
+        return list(dict.fromkeys(self.tokenizer.model_input_names + self.image_processor.model_input_names))
+
+
+__all__ = ["KimiHybridProcessor", "CHAT_TEMPLATE", "IMAGE_TOKEN", "IMAGE_MARKUP"]

@@ -17,3 +17,14 @@ def test_kda_prefill_decode(capsys):
     worst = load("kda_prefill_decode").main(["--lengths", "70", "5", "130", "--decode", "3", "--heads", "2", "--head-dim", "16"])
     assert worst <= 1e-4
     assert "decode continues prefill" in capsys.readouterr().out
+
+
+def test_multimodal_finetune(tmp_path, capsys):
+    """A few Trainer steps end to end: data, tokenizer, MuonClip, held-out generation, plot, save.
+    (The accuracy well above chance needs the default 1500 steps: see the example's docstring.)"""
+    acc = load("multimodal_finetune").main(["--steps", "4", "--train", "64", "--eval", "8", "--batch", "8",
+                                            "--out", str(tmp_path)])
+    assert 0.0 <= acc <= 1.0
+    out = capsys.readouterr().out
+    assert "held-out accuracy" in out
+    assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "processor_config.json").exists()

@@ -1,0 +1,49 @@
+"""Generated images for vision tasks that need no download: scenes of coloured shapes and
+questions about them (counting, as in the seeds' vision-only tasks that improved reasoning)."""
+
+from __future__ import annotations
+
+import random
+
+from PIL import Image, ImageDraw
+
+QUESTION = "How many circles are there?"
+
+
+def render_scene(rng: random.Random, size: int = 84, circles: int = 1, squares: int = 0) -> Image.Image:
+    """A size x size RGB scene with `circles` filled circles and `squares` filled squares of random
+    colours and sizes on a light background, placed without overlap."""
+    bg = tuple(rng.randint(200, 255) for _ in range(3))
+    image = Image.new("RGB", (size, size), bg)
+    draw = ImageDraw.Draw(image)
+    boxes = []
+    for kind in ["circle"] * circles + ["square"] * squares:
+        for _ in range(200):  # rejection sampling of a free spot
+            r = rng.randint(max(3, size // 14), max(4, size // 8))
+            x, y = rng.randint(r + 1, size - r - 2), rng.randint(r + 1, size - r - 2)
+            box = (x - r, y - r, x + r, y + r)
+            if all(box[2] + 2 < b[0] or b[2] + 2 < box[0] or box[3] + 2 < b[1] or b[3] + 2 < box[1] for b in boxes):
+                break
+        else:
+            raise ValueError(f"no room for {circles + squares} shapes in a {size} x {size} scene")
+        boxes.append(box)
+        colour = tuple(rng.randint(0, 160) for _ in range(3))
+        (draw.ellipse if kind == "circle" else draw.rectangle)(box, fill=colour)
+    return image
+
+
+def counting_examples(n: int, seed: int, size: int = 84, max_count: int = 4, max_squares: int = 2) -> list[dict]:
+    """n chat examples {"messages", "images", "answer"}: a scene with 1..max_count circles and
+    0..max_squares distracting squares, the question QUESTION, the count as the answer."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        count, squares = rng.randint(1, max_count), rng.randint(0, max_squares)
+        image = render_scene(rng, size, count, squares)
+        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+                    {"role": "assistant", "content": str(count)}]
+        out.append({"messages": messages, "images": [image], "answer": str(count)})
+    return out
+
+
+__all__ = ["render_scene", "counting_examples", "QUESTION"]

@@ -124,4 +124,6 @@ class KimiHybridImageProcessor(BaseImageProcessor):
         return self.preprocess(images, return_tensors=return_tensors, **kwargs)
 
 
+KimiHybridImageProcessor.register_for_auto_class("AutoImageProcessor")
+
 __all__ = ["KimiHybridImageProcessor"]

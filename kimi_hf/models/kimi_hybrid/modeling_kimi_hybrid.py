@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
+from .hub_kimi_hybrid import RemoteCodeMixin
 from .kda import chunk_kda, recurrent_kda
 
 # PEFT LoRA targets recommended for the hybrid model: the KDA and MLA projections and the dense /
@@ -482,7 +483,7 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
 
 
-class KimiHybridPreTrainedModel(PreTrainedModel):
+class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridTextConfig
     config_class = KimiHybridTextConfig
     base_model_prefix = "model"

@@ -18,11 +18,12 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_kimi_hybrid import KimiHybridConfig
+from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridMultimodalProjector, KimiHybridVisionModel
 
 
-class KimiHybridMultimodalPreTrainedModel(PreTrainedModel):
+class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridConfig
     config_class = KimiHybridConfig
     base_model_prefix = "model"

@@ -18,6 +18,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
 
 from .configuration_kimi_hybrid import KimiHybridVisionConfig
+from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import eager_attention_forward
 
 
@@ -171,7 +172,7 @@ def merge_patches(x: torch.Tensor, grid: list[tuple[int, int, int]], merge: tupl
     return torch.cat([x[r].mean(dim=1) for r in rows])
 
 
-class KimiHybridVisionPreTrainedModel(PreTrainedModel):
+class KimiHybridVisionPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridVisionConfig
     config_class = KimiHybridVisionConfig
     base_model_prefix = "vision_tower"

@@ -81,4 +81,6 @@ class KimiHybridProcessor(ProcessorMixin):
         return list(dict.fromkeys(self.tokenizer.model_input_names + self.image_processor.model_input_names))
 
 
+KimiHybridProcessor.register_for_auto_class("AutoProcessor")  # saved processors carry auto_map and this file
+
 __all__ = ["KimiHybridProcessor", "CHAT_TEMPLATE", "IMAGE_TOKEN", "IMAGE_MARKUP"]

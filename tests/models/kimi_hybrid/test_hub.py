@@ -1,0 +1,83 @@
+"""Saved folders load with stock transformers and trust_remote_code=True in a fresh process where
+`import kimi_hf` is impossible (auto_map + copied code), also by repo id from an offline Hugging Face
+cache; the model card."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kimi_hf import KimiHybridForCausalLM, KimiHybridForConditionalGeneration
+
+from .helpers import tiny_config, tiny_multimodal_config, tiny_processor
+
+WORKER = Path(__file__).with_name("remote_load_worker.py")
+
+
+def save_multimodal(path):
+    torch.manual_seed(0)
+    model = KimiHybridForConditionalGeneration(tiny_multimodal_config()).eval()
+    proc = tiny_processor()
+    model.save_pretrained(path)
+    proc.save_pretrained(path)
+    image = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8))  # HWC uint8
+    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}],
+                                    tokenize=False, add_generation_prompt=True)
+    inputs = proc(images=[image], text=text)
+    with torch.no_grad():
+        logits = model(**inputs).logits
+    generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
+    return dict(kind="multimodal", image=image, text=text, input_ids=inputs["input_ids"], logits=logits, generated=generated)
+
+
+def save_text(path):
+    torch.manual_seed(1)
+    model = KimiHybridForCausalLM(tiny_config()).eval()
+    model.save_pretrained(path)
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return dict(kind="text", input_ids=ids, logits=logits, generated=model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+
+
+def offline_cache(cache, repo_id, folder):
+    """The Hugging Face cache layout of a downloaded repo: models--org--name/{refs/main, snapshots/<commit>/...}."""
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    shutil.copytree(folder, repo / "snapshots" / commit)
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+
+
+def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
+    mm, text = tmp_path / "mm", tmp_path / "text"
+    expected = {str(mm): save_multimodal(mm), str(text): save_text(text)}
+    config = json.loads((mm / "config.json").read_text())
+    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration"
+    assert {"kda.py", "modeling_kimi_hybrid.py", "processing_kimi_hybrid.py"} <= set(os.listdir(mm))
+    cache = tmp_path / "hub_cache"
+    offline_cache(cache, "local/tiny-kimi", mm)
+    expected["local/tiny-kimi"] = expected[str(mm)]
+    torch.save(expected, tmp_path / "expected.pt")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_MODULES_CACHE=str(tmp_path / "modules"))
+    env.pop("PYTHONPATH", None)
+    out = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "expected.pt"), str(mm), str(text), "local/tiny-kimi"],
+                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("ok ") == 3
+
+
+def test_model_card_describes_the_model(tmp_path):
+    torch.manual_seed(0)
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    assert "pipeline_tag: text-generation" in card and "| 3 | MLA | MoE |" in card
+    assert "trust_remote_code=True" in card and "4 layers (3 KDA, 1 MLA)" in card
+    (tmp_path / "README.md").write_text("my own card")
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    assert (tmp_path / "README.md").read_text() == "my own card"  # never overwritten

@@ -51,7 +51,7 @@ def test_native_checkpoint_uses_moonshot_naming(native_dir):
 def test_converted_native_model_matches_logits_and_generation(native_dir, tmp_path):
     path, native = native_dir
     out = tmp_path / "ours"
-    assert convert_kimi_linear.convert(str(path), str(out)) == "kimi_hybrid_text"
+    assert convert_kimi_linear.main([str(path), str(out), "--no-progress"])["model_type"] == "kimi_hybrid_text"
     ours = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(ours, KimiHybridForCausalLM)
     x = torch.randint(3, 101, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -64,8 +64,8 @@ def test_converted_native_model_matches_logits_and_generation(native_dir, tmp_pa
 
 def test_round_trip_back_to_native(native_dir, tmp_path):
     path, native = native_dir
-    convert_kimi_linear.convert(str(path), str(tmp_path / "ours"))
-    convert_kimi_linear.convert(str(tmp_path / "ours"), str(tmp_path / "back"))
+    convert_kimi_linear.main([str(path), str(tmp_path / "ours"), "--no-progress"])
+    convert_kimi_linear.main([str(tmp_path / "ours"), str(tmp_path / "back"), "--no-progress"])
     cfg = json.loads((tmp_path / "back" / "config.json").read_text())
     assert cfg["model_type"] == "kimi_linear"
     reloaded = KimiLinearForCausalLM.from_pretrained(tmp_path / "back").eval()
@@ -80,8 +80,98 @@ def test_conversion_is_atomic_and_refuses_bad_input(native_dir, tmp_path):
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(ValueError, match="model_type"):
-        convert_kimi_linear.convert(str(bad), str(tmp_path / "out"))
+        convert_kimi_linear.main([str(bad), str(tmp_path / "out")])
     assert not (tmp_path / "out").exists()
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".convert-")] == []
     with pytest.raises(FileExistsError):
-        convert_kimi_linear.convert(str(path), str(bad))
+        convert_kimi_linear.main([str(path), str(bad)])
+
+
+def _logits(model_dir, cls, x):
+    with torch.no_grad():
+        return cls.from_pretrained(model_dir).eval()(x).logits
+
+
+def test_sharded_in_and_out_with_index_dtype_and_summary(native_dir, tmp_path, capsys):
+    path, native = native_dir
+    sharded_src = tmp_path / "native_sharded"
+    native.save_pretrained(sharded_src, max_shard_size="30KB")  # experts of a layer spread over shards
+    assert (sharded_src / "model.safetensors.index.json").exists()
+    out = tmp_path / "ours"
+    summary = convert_kimi_linear.main([str(sharded_src), str(out), "--max-shard-size", "40KB", "--no-progress"])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert summary["shards"] == len(shards) > 2 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert "peak memory" in capsys.readouterr().out
+    x = torch.randint(3, 101, (1, 20), generator=torch.Generator().manual_seed(3))
+    assert torch.allclose(_logits(out, KimiHybridForCausalLM, x), _logits(path, KimiLinearForCausalLM, x), atol=1e-4)
+    half = tmp_path / "bf16"
+    convert_kimi_linear.main([str(path), str(half), "--dtype", "bfloat16", "--no-progress"])
+    with safe_open(str(half / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.bfloat16
+        assert f.get_tensor("model.layers.0.self_attn.A_log").dtype == torch.float32  # gates keep fp32
+
+
+@pytest.mark.parametrize("layers", ["2", "0"])
+def test_verify_compares_logits_in_a_fresh_process(native_dir, tmp_path, layers):
+    path, _ = native_dir
+    summary = convert_kimi_linear.main([str(path), str(tmp_path / "ours"), "--verify", "--verify-layers", layers, "--no-progress"])
+    assert summary["rel_max_diff"] < 1e-4
+
+
+def _copy_checkpoint(src, dst):
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_wrong_inputs_name_the_tensor_or_file_and_leave_nothing(native_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, native = native_dir
+    leftovers = lambda: [p.name for p in tmp_path.iterdir() if p.name.startswith(".convert-") or p.name == "out"]  # noqa: E731
+    # a shard listed in the index is missing
+    sharded = tmp_path / "sharded"
+    native.save_pretrained(sharded, max_shard_size="30KB")
+    victim = sorted(sharded.glob("model-*.safetensors"))[1]
+    victim.unlink()
+    with pytest.raises(FileNotFoundError, match=victim.name):
+        convert_kimi_linear.main([str(sharded), str(tmp_path / "out"), "--no-progress"])
+    # a tensor this architecture does not have
+    extra = _copy_checkpoint(path, tmp_path / "extra")
+    state = load_file(extra / "model.safetensors")
+    state["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
+    save_file(state, extra / "model.safetensors")
+    with pytest.raises(ValueError, match=r"unknown tensor model\.layers\.1\.self_attn\.rotary_emb\.inv_freq .*model\.safetensors"):
+        convert_kimi_linear.main([str(extra), str(tmp_path / "out"), "--no-progress"])
+    # a config that does not match the tensors
+    wrong = _copy_checkpoint(path, tmp_path / "wrong")
+    cfg = json.loads((wrong / "config.json").read_text())
+    cfg["vocab_size"] = 99
+    (wrong / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"(lm_head|model\.embed_tokens)\.weight .* shape \(101, 32\), the config implies \(99, 32\)"):
+        convert_kimi_linear.main([str(wrong), str(tmp_path / "out"), "--no-progress"])
+    # a truncated shard
+    broken = _copy_checkpoint(path, tmp_path / "broken")
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="cannot read .*model.safetensors"):
+        convert_kimi_linear.main([str(broken), str(tmp_path / "out"), "--no-progress"])
+    # a tensor missing
+    short = _copy_checkpoint(path, tmp_path / "short")
+    state = load_file(short / "model.safetensors")
+    del state["model.norm.weight"]
+    save_file(state, short / "model.safetensors")
+    with pytest.raises(ValueError, match=r"missing .*model\.norm\.weight"):
+        convert_kimi_linear.main([str(short), str(tmp_path / "out"), "--no-progress"])
+    assert leftovers() == []  # nothing half-written, ever
+
+
+def test_cli_help():
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_linear.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--max-shard-size" in out.stdout and "--verify" in out.stdout

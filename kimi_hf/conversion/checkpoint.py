@@ -1,0 +1,184 @@
+"""Streaming checkpoint I/O for the conversion tools: read safetensors tensors one at a time, write
+size-limited shards with an index, atomically (a temporary directory renamed at the end)."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import tempfile
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+INDEX = "model.safetensors.index.json"
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB (Linux ru_maxrss is in KB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def parse_size(text: str | int) -> int:
+    """'5GB', '500MB', '100KB' or a number of bytes -> bytes."""
+    if isinstance(text, int):
+        return text
+    t = text.strip().upper()
+    for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
+        if t.endswith(unit):
+            return int(float(t[: -len(unit)]) * mult)
+    return int(t)
+
+
+def read_config(path: str) -> dict:
+    """config.json of a checkpoint directory."""
+    file = os.path.join(path, "config.json")
+    if not os.path.exists(file):
+        raise FileNotFoundError(f"no config.json in {path}")
+    with open(file) as f:
+        return json.load(f)
+
+
+class CheckpointReader:
+    """A checkpoint directory: config.json and safetensors shards (with or without an index).
+
+    Tensors are read lazily, one at a time; shapes come from the file headers without reading data.
+    Missing shards and unreadable files raise errors that name the file.
+    """
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise FileNotFoundError(f"{path} is not a checkpoint directory")
+        self.path = path
+        index = os.path.join(path, INDEX)
+        if os.path.exists(index):
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            missing = sorted({v for v in weight_map.values() if not os.path.exists(os.path.join(path, v))})
+            if missing:
+                raise FileNotFoundError(f"{INDEX} in {path} lists shards that are missing: {missing}")
+        else:
+            files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+            if not files:
+                raise FileNotFoundError(f"no .safetensors files in {path}")
+            weight_map = {}
+            for name in files:
+                for key in self._open(name).keys():
+                    if key in weight_map:
+                        raise ValueError(f"tensor {key} is in both {weight_map[key]} and {name}")
+                    weight_map[key] = name
+        self.weight_map = weight_map
+        self._handles: dict[str, object] = {}
+
+    def _open(self, file: str):
+        try:
+            return safe_open(os.path.join(self.path, file), framework="pt")
+        except Exception as e:  # a truncated or foreign file
+            raise ValueError(f"cannot read {os.path.join(self.path, file)}: {e}") from None
+
+    def _handle(self, file: str):
+        if file not in self._handles:
+            self._handles = {file: self._open(file)}  # one open shard at a time
+        return self._handles[file]
+
+    def config(self) -> dict:
+        return read_config(self.path)
+
+    def names(self) -> list[str]:
+        return list(self.weight_map)
+
+    def file_of(self, name: str) -> str:
+        return self.weight_map[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.weight_map[name]).get_tensor(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
+
+    def total_bytes(self) -> int:
+        return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self.weight_map.values()))
+
+
+class ShardedWriter:
+    """Collects tensors into shards of at most max_shard_bytes (a bigger tensor gets a shard of its
+    own), in a temporary directory next to dst; `finish` writes the index and renames it to dst.
+    Used as a context manager, an exception removes the temporary directory: no half-written output."""
+
+    def __init__(self, dst: str, max_shard_bytes: int = 5 << 30):
+        if os.path.exists(dst):
+            raise FileExistsError(f"{dst} exists; choose a new output directory")
+        parent = os.path.dirname(os.path.abspath(dst)) or "."
+        os.makedirs(parent, exist_ok=True)
+        self.dst, self.max_shard_bytes = dst, max_shard_bytes
+        self.tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.shards: list[list[str]] = []
+        self.seen: set[str] = set()
+        self.total_bytes = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            self.abort()
+        return False
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        if name in self.seen:
+            raise ValueError(f"tensor {name} produced twice: mixed checkpoint namings in the input?")
+        self.seen.add(name)
+        size = tensor.numel() * tensor.element_size()
+        if self.current and self.current_bytes + size > self.max_shard_bytes:
+            self.flush()
+        self.current[name] = tensor.contiguous()
+        self.current_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        if not self.current:
+            return
+        path = os.path.join(self.tmp, f"shard-{len(self.shards):05d}.safetensors")
+        save_file(self.current, path, metadata={"format": "pt"})
+        self.shards.append(list(self.current))
+        self.current, self.current_bytes = {}, 0
+
+    def write_json(self, name: str, obj: dict) -> None:
+        with open(os.path.join(self.tmp, name), "w") as f:
+            json.dump(obj, f, indent=2)
+
+    def copy(self, src_file: str) -> None:
+        shutil.copy(src_file, self.tmp)
+
+    def finish(self) -> list[str]:
+        """Names the shards model-0000k-of-0000N.safetensors (model.safetensors if one), writes the index
+        when sharded, renames the directory to dst. Returns the shard file names."""
+        self.flush()
+        n = len(self.shards)
+        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        weight_map = {}
+        for k, (keys, name) in enumerate(zip(self.shards, names)):
+            os.rename(os.path.join(self.tmp, f"shard-{k:05d}.safetensors"), os.path.join(self.tmp, name))
+            weight_map.update(dict.fromkeys(keys, name))
+        if n > 1:
+            self.write_json(INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
+        os.rename(self.tmp, self.dst)
+        return names
+
+    def abort(self) -> None:
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+def progress(iterable, total: int, desc: str, enabled: bool = True):
+    """tqdm when available and enabled (it is a dependency of transformers), else the iterable."""
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, total=total, desc=desc, unit="layer")

@@ -1,0 +1,142 @@
+"""Kimi K2.5's vision tower and projector + a hybrid text checkpoint -> one early-fusion checkpoint.
+
+K2.5 checkpoints (Moonshot's release, and what transformers' kimi_k25 save_pretrained writes) name
+the tower `vision_tower.encoder.blocks.{i}.{wqkv, wo, norm0, norm1, mlp.fc0, mlp.fc1}` with q/k rows
+in RoPE's interleaved (complex) order; transformers' in-memory naming (`model.vision_tower.layers...`,
+rotate-half order) is accepted too. The language-model tensors of the K2.5 checkpoint are skipped
+without being read. K2.5's projector maps into DeepSeek-V3's hidden size (7168): when the text model's
+hidden size differs, its last layer (out_proj) cannot be reused and is left out (the loaded model
+initialises it; train it before use) -- the summary says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
+from .kimi_linear import NATIVE, OURS, convert_config, native_to_ours
+
+_BLOCK = re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
+_BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2", "wo": "attn.proj"}
+_VISION_FIELDS = ("patch_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "hidden_act", "merge_kernel_size", "pos_emb_height", "pos_emb_width", "pos_emb_time", "rope_parameters")
+
+
+def interleaved_to_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """q/k rows (or biases) from RoPE's interleaved pairs to rotate-half order, per head (what
+    transformers' PermuteForRope does when it loads K2.5)."""
+    dim = w.shape[0]
+    half = dim // num_heads // 2
+    return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def vision_tensors(name: str, t: torch.Tensor, num_heads: int):
+    """One K2.5 tensor -> (our name inside KimiHybridModel, tensor) pairs; [] for language-model tensors."""
+    n = name.removeprefix("model.")
+    if n.startswith(("language_model.", "lm_head.")):
+        return []
+    if n.startswith("vision_tower.layers.") or n.startswith(("vision_tower.patch_embed.proj.", "vision_tower.final_layernorm.")):
+        return [(f"model.{n}", t)]  # transformers' in-memory naming: already ours
+    if n == "vision_tower.patch_embed.pos_emb.weight" or n == "vision_tower.patch_embed.pos_emb.position_embeddings":
+        return [("model.vision_tower.patch_embed.pos_emb.position_embeddings", t)]
+    if n.startswith("vision_tower.encoder.patch_embed.") or n.startswith("vision_tower.encoder.final_layernorm."):
+        return [("model." + n.replace("vision_tower.encoder.", "vision_tower."), t)]
+    if (m := _BLOCK.match(n)) is not None:
+        i, rest = m.group(1), m.group(2)
+        prefix = f"model.vision_tower.layers.{i}"
+        if rest.startswith("wqkv."):
+            q, k, v = t.chunk(3, dim=0)
+            kind = rest.split(".", 1)[1]
+            return [(f"{prefix}.attn.q_proj.{kind}", interleaved_to_half(q, num_heads).contiguous()),
+                    (f"{prefix}.attn.k_proj.{kind}", interleaved_to_half(k, num_heads).contiguous()),
+                    (f"{prefix}.attn.v_proj.{kind}", v.contiguous())]
+        for old, new in _BLOCK_RENAMES.items():
+            if rest.startswith(old + "."):
+                return [(f"{prefix}.{new}{rest[len(old):]}", t)]
+    for old, new in (("mm_projector.proj.0.", "in_proj."), ("mm_projector.proj.2.", "out_proj."),
+                     ("mm_projector.in_proj.", "in_proj."), ("mm_projector.out_proj.", "out_proj."),
+                     ("mm_projector.pre_norm.", "pre_norm.")):
+        if n.startswith(old):
+            return [(f"model.mm_projector.{new}{n[len(old):]}", t)]
+    raise ValueError(f"unknown tensor {name} in the K2.5 checkpoint: not part of its vision tower or projector")
+
+
+def assemble(text_src: str, vision_src: str, dst: str, image_token_id: int | None = None, dtype: torch.dtype | None = None,
+             max_shard_size: int = 5 << 30, show_progress: bool = True) -> dict:
+    """Writes dst (must not exist): a KimiHybridForConditionalGeneration checkpoint made of text_src's
+    decoder (ours or the native Kimi Linear naming) and vision_src's K2.5 tower + projector."""
+    from kimi_hf import KimiHybridConfig, KimiHybridVisionConfig
+
+    text_cfg, k25_cfg = read_config(text_src), read_config(vision_src)
+    if k25_cfg.get("model_type") != "kimi_k25" or "vision_config" not in k25_cfg:
+        raise ValueError(f"{vision_src}/config.json has model_type {k25_cfg.get('model_type')!r}; expected a Kimi K2.5 "
+                         "checkpoint ('kimi_k25' with a vision_config)")
+    if text_cfg.get("model_type") not in (OURS, NATIVE):
+        raise ValueError(f"{text_src}/config.json has model_type {text_cfg.get('model_type')!r}; expected {OURS!r} or {NATIVE!r}")
+    ours_text = convert_config(text_cfg) if text_cfg["model_type"] == NATIVE else text_cfg
+    ours_text = {k: v for k, v in ours_text.items() if k not in ("architectures", "auto_map", "transformers_version")}
+    vision_cfg = KimiHybridVisionConfig(**{k: v for k, v in k25_cfg["vision_config"].items() if k in _VISION_FIELDS})
+    if image_token_id is None:
+        image_token_id = _image_token_id(text_src, k25_cfg, ours_text["vocab_size"])
+    config = KimiHybridConfig(text_config=ours_text, vision_config=vision_cfg, image_token_id=image_token_id,
+                              projection_layer_norm_eps=k25_cfg.get("projection_layer_norm_eps", 1e-5))
+    hidden, heads = config.text_config.hidden_size, vision_cfg.num_attention_heads
+    notes = []
+    text_reader, vision_reader = CheckpointReader(text_src), CheckpointReader(vision_src)
+    with ShardedWriter(dst, max_shard_size) as writer:
+        wanted = [n for n in vision_reader.names() if not n.removeprefix("model.").startswith(("language_model.", "lm_head."))]
+        for name in progress(wanted, len(wanted), "vision", show_progress):
+            for new, t in vision_tensors(name, vision_reader.get(name), heads):
+                if new.startswith("model.mm_projector.out_proj.") and t.shape[0] != hidden:
+                    note = (f"K2.5's projector maps to {t.shape[0]} but the text hidden size is {hidden}: "
+                            "mm_projector.out_proj is left out (initialised at load; train it)")
+                    if note not in notes:
+                        notes.append(note)
+                    continue
+                writer.add(new, _cast(new, t, dtype))
+        names = text_reader.names()
+        tensors = ((n, text_reader.get(n)) for n in names)
+        if text_cfg["model_type"] == NATIVE:
+            tensors = native_to_ours(tensors, config.text_config.linear_num_heads)
+        for name, t in progress(tensors, len(names), "text", show_progress):
+            writer.add(name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model."),
+                       _cast(name, t, dtype))
+        out_cfg = config.to_dict()
+        out_cfg["architectures"] = ["KimiHybridForConditionalGeneration"]
+        writer.write_json("config.json", out_cfg)
+        for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                      "generation_config.json"):
+            if os.path.exists(os.path.join(text_src, extra)):
+                writer.copy(os.path.join(text_src, extra))
+        shards = writer.finish()
+    for note in notes:
+        print(f"note: {note}")
+    return {"shards": len(shards), "tensors": len(writer.seen), "peak_rss_mb": peak_rss_mb(), "notes": notes,
+            "image_token_id": image_token_id}
+
+
+def _cast(name, t, dtype):
+    keep = name.endswith((".A_log", ".dt_bias", "e_score_correction_bias"))
+    return t.to(dtype) if dtype is not None and t.is_floating_point() and not keep else t
+
+
+def _image_token_id(text_src: str, k25_cfg: dict, vocab: int) -> int:
+    """<|media_pad|> of the text checkpoint's tokenizer, else K2.5's id when it fits the vocabulary."""
+    if os.path.exists(os.path.join(text_src, "tokenizer.json")):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(text_src)
+        tid = tok.convert_tokens_to_ids("<|media_pad|>")
+        if tid is not None and tid != tok.unk_token_id:
+            return tid
+    tid = k25_cfg.get("image_token_id")
+    if tid is not None and tid < vocab:
+        return tid
+    raise ValueError("no image placeholder id: the text checkpoint's tokenizer has no <|media_pad|> and K2.5's "
+                     f"image_token_id {tid} is outside the text vocabulary ({vocab}); pass --image-token-id")
+
+
+__all__ = ["assemble", "vision_tensors", "interleaved_to_half"]

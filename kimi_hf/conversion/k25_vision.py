@@ -18,6 +18,7 @@ import torch
 
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
 from .kimi_linear import NATIVE, OURS, convert_config, native_to_ours
+from .tokenizer import convert_tokenizer_dir
 
 _BLOCK = re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
 _BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2", "wo": "attn.proj"}
@@ -111,6 +112,7 @@ def assemble(text_src: str, vision_src: str, dst: str, image_token_id: int | Non
                       "generation_config.json"):
             if os.path.exists(os.path.join(text_src, extra)):
                 writer.copy(os.path.join(text_src, extra))
+        convert_tokenizer_dir(text_src, writer.tmp)
         shards = writer.finish()
     for note in notes:
         print(f"note: {note}")
@@ -125,10 +127,15 @@ def _cast(name, t, dtype):
 
 def _image_token_id(text_src: str, k25_cfg: dict, vocab: int) -> int:
     """<|media_pad|> of the text checkpoint's tokenizer, else K2.5's id when it fits the vocabulary."""
-    if os.path.exists(os.path.join(text_src, "tokenizer.json")):
-        from transformers import AutoTokenizer
+    if os.path.exists(os.path.join(text_src, "tokenizer.json")) or os.path.exists(os.path.join(text_src, "tiktoken.model")):
+        from .tokenizer import tiktoken_to_fast
 
-        tok = AutoTokenizer.from_pretrained(text_src)
+        if os.path.exists(os.path.join(text_src, "tokenizer.json")):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(text_src)
+        else:
+            tok = tiktoken_to_fast(os.path.join(text_src, "tiktoken.model"), os.path.join(text_src, "tokenizer_config.json"))
         tid = tok.convert_tokens_to_ids("<|media_pad|>")
         if tid is not None and tid != tok.unk_token_id:
             return tid

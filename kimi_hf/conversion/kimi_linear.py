@@ -22,6 +22,7 @@ from collections import defaultdict
 import torch
 
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
+from .tokenizer import convert_tokenizer_dir
 
 OURS, NATIVE = "kimi_hybrid_text", "kimi_linear"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
@@ -154,9 +155,10 @@ def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size
         for extra in EXTRA_FILES:
             if os.path.exists(os.path.join(src, extra)):
                 writer.copy(os.path.join(src, extra))
+        fast_tokenizer = convert_tokenizer_dir(src, writer.tmp)  # Kimi's tiktoken files -> tokenizer.json
         shards = writer.finish()
     return {"model_type": new_cfg["model_type"], "shards": len(shards), "tensors": len(writer.seen),
-            "peak_rss_mb": peak_rss_mb(), "largest_tensor_mb": largest / 2**20}
+            "peak_rss_mb": peak_rss_mb(), "largest_tensor_mb": largest / 2**20, "fast_tokenizer": fast_tokenizer}
 
 
 def _check(tensors, expected: dict, reader: CheckpointReader, source_names: list[str]):

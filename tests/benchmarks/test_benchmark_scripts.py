@@ -15,6 +15,7 @@ CASES = {
     "optimizer_step.py": ["--hidden", "64", "--repeats", "1"],
     "muon_vs_adamw.py": ["--steps", "4", "--eval-every", "2", "--muon-steps", "2", "--hidden", "32", "--out", "{tmp}/m.png"],
     "qk_clip.py": ["--steps", "3", "--hidden", "32", "--out", "{tmp}/q.png"],
+    "conversion.py": ["--hidden", "128", "--layers", "2", "--experts", "4", "--vocab", "512", "--shard", "1MB"],
     "vision.py": ["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64", "--text-hidden", "32",
                   "--size", "56", "--images", "1", "--repeats", "1"],
 }

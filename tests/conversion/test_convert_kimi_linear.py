@@ -175,3 +175,21 @@ def test_cli_help():
     out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_linear.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--max-shard-size" in out.stdout and "--verify" in out.stdout
+
+
+def test_transformers_in_memory_layout_converts_too(native_dir, tmp_path):
+    """transformers' runtime state dict (stacked conv1d, forget_gate.*, fused experts, no Moonshot
+    renames), e.g. written with safetensors' save_file(model.state_dict())."""
+    from safetensors.torch import save_file
+
+    path, native = native_dir
+    src = tmp_path / "runtime"
+    src.mkdir()
+    state = {k: v.contiguous() for k, v in native.state_dict().items() if k != "lm_head.weight" or not native.config.tie_word_embeddings}
+    assert any(".forget_gate." in k for k in state) and any(k.endswith("self_attn.conv1d.weight") for k in state)
+    save_file(state, src / "model.safetensors")
+    (src / "config.json").write_text((path / "config.json").read_text())
+    convert_kimi_linear.main([str(src), str(tmp_path / "ours"), "--no-progress"])
+    x = torch.randint(3, 101, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        assert torch.allclose(_logits(tmp_path / "ours", KimiHybridForCausalLM, x), native(x).logits, atol=1e-4)

@@ -77,3 +77,11 @@ def test_refuses_wrong_inputs(tmp_path):
     with pytest.raises(ValueError, match="kimi_k25"):
         tool.main([str(tmp_path / "text"), str(tmp_path / "text"), str(tmp_path / "mm"), "--no-progress"])
     assert not (tmp_path / "mm").exists()
+
+
+def test_cli_help():
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_k25_vision.py"), "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "--image-token-id" in out.stdout

@@ -95,21 +95,46 @@ def model_card(model) -> str:
     return "\n".join(lines)
 
 
-class RemoteCodeMixin:
-    """save_pretrained (and so push_to_hub) also writes the auto_map, the code and a model card."""
+def upload(folder: str, repo_id: str, token=None, private=None, commit_message: str | None = None,
+           create_pr: bool = False, revision: str | None = None):
+    """Creates the Hub repo if needed and uploads `folder` as one commit."""
+    from huggingface_hub import HfApi
 
-    def save_pretrained(self, save_directory, *args, **kwargs):
+    api = HfApi(token=token)
+    repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message or "Upload model",
+                             create_pr=create_pr, revision=revision)
+
+
+class RemoteCodeMixin:
+    """save_pretrained and push_to_hub also write the auto_map, the code and our model card
+    (transformers' own push would replace the card with an empty template: we upload ourselves)."""
+
+    def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
+        hub = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private", "revision") if k in kwargs}
         auto_map = AUTO_MAPS.get(self.config.model_type)
         if auto_map is not None:
             self.config.auto_map = dict(auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)
-        if kwargs.get("is_main_process", True) and os.path.isdir(save_directory):
-            copy_code(str(save_directory))
-            card = os.path.join(save_directory, "README.md")
-            if not os.path.exists(card):
-                with open(card + ".tmp", "w", encoding="utf-8") as f:
-                    f.write(model_card(self))
-                os.replace(card + ".tmp", card)
+        if not kwargs.get("is_main_process", True) or not os.path.isdir(save_directory):
+            return
+        copy_code(str(save_directory))
+        card = os.path.join(save_directory, "README.md")
+        if not os.path.exists(card):
+            with open(card + ".tmp", "w", encoding="utf-8") as f:
+                f.write(model_card(self))
+            os.replace(card + ".tmp", card)
+        if push_to_hub:
+            upload(str(save_directory), hub.pop("repo_id", os.path.basename(os.path.abspath(save_directory))),
+                   token=kwargs.get("token"), **hub)
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
+                    token=None, max_shard_size: int | str = "50GB", create_pr: bool = False, revision: str | None = None,
+                    **kwargs):
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder, max_shard_size=max_shard_size)
+            return upload(folder, repo_id, token=token, private=private, commit_message=commit_message,
+                          create_pr=create_pr, revision=revision)
 
 
-__all__ = ["RemoteCodeMixin", "AUTO_MAPS", "copy_code", "model_card"]
+__all__ = ["RemoteCodeMixin", "AUTO_MAPS", "copy_code", "model_card", "upload"]

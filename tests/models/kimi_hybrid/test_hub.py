@@ -81,3 +81,26 @@ def test_model_card_describes_the_model(tmp_path):
     (tmp_path / "README.md").write_text("my own card")
     KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path)
     assert (tmp_path / "README.md").read_text() == "my own card"  # never overwritten
+
+
+def test_push_to_hub_uploads_weights_code_and_our_card(tmp_path, monkeypatch):
+    """The Hub cannot be reached here: the two HfApi calls that would touch the network record what
+    they are given instead; everything before them (saving, code, card) runs for real."""
+    from huggingface_hub import HfApi
+
+    uploaded = {}
+
+    class Repo:
+        repo_id = "me/tiny-kimi"
+
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: Repo())
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kw: uploaded.update(
+        repo_id=repo_id, files=sorted(os.listdir(folder_path)), card=open(os.path.join(folder_path, "README.md")).read()))
+    torch.manual_seed(0)
+    KimiHybridForCausalLM(tiny_config()).push_to_hub("me/tiny-kimi")
+    assert uploaded["repo_id"] == "me/tiny-kimi"
+    assert {"config.json", "model.safetensors", "modeling_kimi_hybrid.py", "kda.py", "README.md"} <= set(uploaded["files"])
+    assert "| 3 | MLA | MoE |" in uploaded["card"]
+    uploaded.clear()
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "x", push_to_hub=True, repo_id="me/tiny-kimi")
+    assert "kda.py" in uploaded["files"] and "| 3 | MLA | MoE |" in uploaded["card"]

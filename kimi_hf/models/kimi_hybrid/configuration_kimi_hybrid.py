@@ -13,6 +13,7 @@ from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
 MLP_LAYER_TYPES = ("dense", "sparse")  # SwiGLU, MoE
+ATTN_RESIDUALS = ("none", "block", "full")
 
 
 def kimi_linear_layer_types(num_layers: int) -> list[str]:
@@ -34,6 +35,11 @@ class KimiHybridTextConfig(PreTrainedConfig):
         num_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, n_group, topk_group,
         routed_scaling_factor, norm_topk_prob: the DeepSeek-V3 style MoE (sigmoid router, noaux_tc).
         router_aux_loss_coef: weight of the load-balancing loss added when `output_router_logits`.
+        attn_residual: "none" (the residual sum), "block" (Block Attention Residuals: each sublayer's
+            input is softmax attention over the embedding, the completed blocks and the current partial
+            sum) or "full" (every sublayer its own block).
+        attn_residual_block_size: sublayers per block (attention and MLP count separately); default:
+            about 8 blocks. Must be 1 or None with "full".
     """
 
     model_type = "kimi_hybrid_text"
@@ -91,6 +97,8 @@ class KimiHybridTextConfig(PreTrainedConfig):
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     attention_dropout: float | int = 0.0
+    attn_residual: str = "none"
+    attn_residual_block_size: int | None = None
 
     def __post_init__(self, **kwargs):
         for alias, field in self.attribute_map.items():  # other spellings, applied before validation
@@ -165,6 +173,22 @@ class KimiHybridTextConfig(PreTrainedConfig):
                              f"({self.topk_group}) groups")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if self.attn_residual not in ATTN_RESIDUALS:
+            raise ValueError(f"attn_residual must be one of {list(ATTN_RESIDUALS)}, got {self.attn_residual!r}")
+        bs = self.attn_residual_block_size
+        if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
+            raise ValueError(f"attn_residual_block_size must be None or a positive integer, got {bs!r}")
+        if self.attn_residual == "full" and bs not in (None, 1):
+            raise ValueError(f"attn_residual='full' means one sublayer per block: attn_residual_block_size must be "
+                             f"None or 1, got {bs}")
+
+    def attn_residual_blocks(self) -> int | None:
+        """Sublayers per depth-attention block, or None for the plain residual."""
+        if self.attn_residual == "none":
+            return None
+        if self.attn_residual == "full":
+            return 1
+        return self.attn_residual_block_size or max(1, -(-2 * self.num_hidden_layers // 8))  # about 8 blocks
 
 
 @strict

@@ -461,9 +461,45 @@ class KimiHybridMoE(nn.Module):
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 
+class KimiHybridDepthAttention(nn.Module):
+    """Attention Residuals (SPEC 4): a sublayer's input is softmax attention over depth,
+    x = sum_i softmax_i(q . RMSNorm(v_i)) v_i over the sources v [n, B, T, d] (the embedding, the
+    completed blocks, the current partial sum). The pseudo-query q starts at zero (a uniform average,
+    equivalent to the residual sum under the next scale-invariant norm); keys have their own RMSNorm;
+    no temperature. Softmax and sum in fp32."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.query = nn.Parameter(torch.zeros(hidden_size))
+        self.key_norm = KimiHybridRMSNorm(hidden_size, eps=eps)
+
+    def weights(self, sources: torch.Tensor) -> torch.Tensor:
+        """[n, B, T] fp32 attention weights over the n sources."""
+        return torch.einsum("nbtd,d->nbt", self.key_norm(sources).float(), self.query.float()).softmax(0)
+
+    def forward(self, sources: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("nbt,nbtd->btd", self.weights(sources), sources.float()).to(sources.dtype)
+
+
+def push_depth_source(sources: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int) -> torch.Tensor:
+    """Adds sublayer `sublayer`'s output to the depth sources [n, B, T, d]: it opens a new partial sum
+    when a block starts (every block_size sublayers), else it accumulates into the current one."""
+    if sublayer % block_size == 0:
+        return torch.cat([sources, output[None]])
+    return torch.cat([sources[:-1], (sources[-1] + output)[None]])
+
+
 class KimiHybridDecoderLayer(GradientCheckpointingLayer):
+    """Pre-norm block: token mixer (KDA or MLA), then SwiGLU or MoE. With Attention Residuals the
+    layer maps the depth sources [n, B, T, d] to the new sources instead of a residual stream."""
+
     def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
+        self.block_size = config.attn_residual_blocks()
+        if self.block_size is not None:
+            self.attn_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
+            self.mlp_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.layer_type = config.layer_types[layer_idx]
         self.self_attn = (KimiHybridMLA(config, layer_idx) if self.layer_type == "full_attention"
                           else KimiDeltaAttention(config, layer_idx))
@@ -474,13 +510,19 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
                 packed: PackedSequences | None = None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
-        h = self.input_layernorm(hidden_states)
-        if self.layer_type == "full_attention":
-            h, _ = self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)
-        else:
-            h = self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, packed=packed)
-        hidden_states = hidden_states + h
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        def mix(h):
+            h = self.input_layernorm(h)
+            if self.layer_type == "full_attention":
+                return self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0]
+            return self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, packed=packed)
+
+        if self.block_size is None:
+            hidden_states = hidden_states + mix(hidden_states)
+            return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        sources, s = hidden_states, 2 * self.layer_idx
+        sources = push_depth_source(sources, mix(self.attn_res(sources)), s, self.block_size)
+        out = self.mlp(self.post_attention_layernorm(self.mlp_res(sources)))
+        return push_depth_source(sources, out, s + 1, self.block_size)
 
 
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -515,6 +557,8 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm)):
             init.ones_(module.weight)
+        elif isinstance(module, KimiHybridDepthAttention):  # uniform depth weights at the start
+            init.zeros_(module.query)
 
 
 class KimiHybridTextModel(KimiHybridPreTrainedModel):
@@ -523,6 +567,8 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([KimiHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.attn_residual_blocks() is not None:  # the last depth attention, before the final norm
+            self.final_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -554,10 +600,13 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         masks = {"full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
                  "linear_attention": create_recurrent_attention_mask(*mask_args)}
 
-        hidden_states = inputs_embeds
+        attn_res = self.config.attn_residual_blocks() is not None
+        hidden_states = inputs_embeds[None] if attn_res else inputs_embeds  # depth sources: the embedding first
         for layer in self.layers:
             hidden_states = layer(hidden_states, attention_mask=masks[layer.layer_type], position_ids=position_ids,
                                   past_key_values=past_key_values, packed=packed, **kwargs)
+        if attn_res:
+            hidden_states = self.final_res(hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values))
 
 

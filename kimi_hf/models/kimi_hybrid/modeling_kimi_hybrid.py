@@ -474,11 +474,17 @@ class KimiHybridDepthAttention(nn.Module):
         self.key_norm = KimiHybridRMSNorm(hidden_size, eps=eps)
 
     def weights(self, sources: torch.Tensor) -> torch.Tensor:
-        """[n, B, T] fp32 attention weights over the n sources."""
-        return torch.einsum("nbtd,d->nbt", self.key_norm(sources).float(), self.query.float()).softmax(0)
+        """[n, B, T] fp32 attention weights over the n sources. q . (g * x / rms(x)) is computed as
+        (x . (g * q)) / rms(x): two reductions over the sources, no normalised copy of them."""
+        x = sources.float()
+        d = x.shape[-1]
+        inv_rms = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / d + self.key_norm.variance_epsilon)
+        # one matrix-vector product over all tokens (a batched einsum runs a tiny matmul per token on CPU)
+        logits = torch.mv(x.reshape(-1, d), self.key_norm.weight.float() * self.query.float()).view(x.shape[:-1])
+        return (logits * inv_rms).softmax(0)
 
     def forward(self, sources: torch.Tensor) -> torch.Tensor:
-        return torch.einsum("nbt,nbtd->btd", self.weights(sources), sources.float()).to(sources.dtype)
+        return (self.weights(sources).unsqueeze(-1) * sources.float()).sum(0).to(sources.dtype)
 
 
 def push_depth_source(sources: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ def depth_weights(model, x) -> torch.Tensor:
     rows, hooks = [], []
     mods = [m for layer in model.model.layers for m in (layer.attn_res, layer.mlp_res)] + [model.model.final_res]
     for mod in mods:
-        hooks.append(mod.register_forward_hook(lambda m, inp, out: rows.append(m.weights(inp[0]).mean((1, 2)))))
+        hooks.append(mod.register_forward_hook(lambda m, inp, out: rows.append(m.weights(*inp).mean((1, 2)))))
     with torch.no_grad():
         model(x, use_cache=False)
     for h in hooks:
@@ -77,6 +77,19 @@ def layer_grad_norms(model, x) -> list[float]:
              for layer in model.model.layers]
     model.zero_grad()
     return norms
+
+
+def interleaved_step_times(models: dict, x, rounds: int) -> dict:
+    """Median forward+backward time per model, alternating the models every round so that machine
+    drift (frequency, other load) hits both alike."""
+    times = {k: [] for k in models}
+    for _ in range(rounds):
+        for k, m in models.items():
+            t0 = time.perf_counter()
+            m(x, labels=x, use_cache=False).loss.backward()
+            times[k].append(time.perf_counter() - t0)
+            m.zero_grad()
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def train(model, corpus, args, label):
@@ -117,6 +130,7 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timing-rounds", type=int, default=15, help="interleaved fwd+bwd timings after training")
     p.add_argument("--out", default="outputs/attn_res")
     args = p.parse_args(argv)
     torch.set_flush_denormal(True)
@@ -133,12 +147,15 @@ def main(argv=None):
         results[label] = dict(curve=curve, step=step_time, rms=sublayer_input_rms(model, probe),
                               grads=layer_grad_norms(model.train(), probe))
     b, a = results["baseline"], results["attn_res"]
+    steps = interleaved_step_times({"baseline": base.train(), "attn_res": ar.train()},
+                                   corpus.batch(1, args.batch, args.seq, seed=args.seed), args.timing_rounds)
     n_blocks = -(-2 * args.layers // args.block_size)
     print(f"\n# {args.layers} layers ({2 * args.layers} sublayers), hidden {args.hidden}, blocks of {args.block_size} "
           f"sublayers ({n_blocks} blocks), {args.steps} steps, batch {args.batch} x {args.seq} bytes")
-    print("\n| | final val loss | median s/step | overhead |\n|---|---|---|---|")
-    print(f"| baseline | {b['curve'][-1][1]:.4f} | {b['step']:.3f} | |")
-    print(f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step']:.3f} | {100 * (a['step'] / b['step'] - 1):+.1f}% |")
+    print("\n| | final val loss | s/step in training | fwd+bwd s, interleaved | overhead (interleaved) |\n|---|---|---|---|---|")
+    print(f"| baseline | {b['curve'][-1][1]:.4f} | {b['step']:.3f} | {steps['baseline']:.3f} | |")
+    print(f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step']:.3f} | {steps['attn_res']:.3f} | "
+          f"{100 * (steps['attn_res'] / steps['baseline'] - 1):+.1f}% |")
     print("\n| sublayer | input RMS baseline | input RMS AttnRes |\n|---|---|---|")
     for s, (rb, ra) in enumerate(zip(b["rms"], a["rms"])):
         print(f"| {s} ({'attn' if s % 2 == 0 else 'mlp'}) | {rb:.3f} | {ra:.3f} |")

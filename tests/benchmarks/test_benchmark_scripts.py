@@ -16,7 +16,7 @@ CASES = {
     "muon_vs_adamw.py": ["--steps", "4", "--eval-every", "2", "--muon-steps", "2", "--hidden", "32", "--out", "{tmp}/m.png"],
     "qk_clip.py": ["--steps", "3", "--hidden", "32", "--out", "{tmp}/q.png"],
     "attn_res.py": ["--layers", "2", "--hidden", "32", "--steps", "3", "--eval-every", "2", "--batch", "2", "--seq", "32",
-                    "--block-size", "2", "--out", "{tmp}/ar"],
+                    "--block-size", "2", "--timing-rounds", "1", "--out", "{tmp}/ar"],
     "conversion.py": ["--hidden", "128", "--layers", "2", "--experts", "4", "--vocab", "512", "--shard", "1MB"],
     "vision.py": ["--hidden", "32", "--layers", "1", "--heads", "2", "--intermediate", "64", "--text-hidden", "32",
                   "--size", "56", "--images", "1", "--repeats", "1"],

@@ -463,36 +463,49 @@ class KimiHybridMoE(nn.Module):
 
 class KimiHybridDepthAttention(nn.Module):
     """Attention Residuals (SPEC 4): a sublayer's input is softmax attention over depth,
-    x = sum_i softmax_i(q . RMSNorm(v_i)) v_i over the sources v [n, B, T, d] (the embedding, the
-    completed blocks, the current partial sum). The pseudo-query q starts at zero (a uniform average,
-    equivalent to the residual sum under the next scale-invariant norm); keys have their own RMSNorm;
-    no temperature. Softmax and sum in fp32."""
+    x = sum_i softmax_i(q . RMSNorm(v_i)) v_i over the sources: the completed blocks [n, B, T, d]
+    (the embedding first) and the current partial sum [B, T, d] (None before the first sublayer).
+    The pseudo-query q starts at zero (a uniform average: the residual sum up to the scale that the
+    next RMSNorm removes); keys have their own RMSNorm; no temperature; softmax and sums in fp32."""
 
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.key_norm = KimiHybridRMSNorm(hidden_size, eps=eps)
 
-    def weights(self, sources: torch.Tensor) -> torch.Tensor:
-        """[n, B, T] fp32 attention weights over the n sources. q . (g * x / rms(x)) is computed as
-        (x . (g * q)) / rms(x): two reductions over the sources, no normalised copy of them."""
-        x = sources.float()
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """q . (g * x / rms(x)) as (x . (g * q)) / rms(x): two reductions, no normalised copy of x
+        (one matrix-vector product: a batched einsum runs a tiny matmul per token on CPU)."""
+        x = x.float()
         d = x.shape[-1]
         inv_rms = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / d + self.key_norm.variance_epsilon)
-        # one matrix-vector product over all tokens (a batched einsum runs a tiny matmul per token on CPU)
-        logits = torch.mv(x.reshape(-1, d), self.key_norm.weight.float() * self.query.float()).view(x.shape[:-1])
-        return (logits * inv_rms).softmax(0)
+        return torch.mv(x.reshape(-1, d), self.key_norm.weight.float() * self.query.float()).view(x.shape[:-1]) * inv_rms
 
-    def forward(self, sources: torch.Tensor) -> torch.Tensor:
-        return (self.weights(sources).unsqueeze(-1) * sources.float()).sum(0).to(sources.dtype)
+    def weights(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
+        """[n (+ 1), B, T] fp32 weights over the blocks (and the partial sum, last)."""
+        logits = self._logits(blocks)
+        if partial is not None:
+            logits = torch.cat([logits, self._logits(partial)[None]])
+        return logits.softmax(0)
+
+    def forward(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
+        alpha = self.weights(blocks, partial).unsqueeze(-1)
+        sources = list(blocks.float().unbind(0)) + ([partial.float()] if partial is not None else [])
+        out = alpha[0] * sources[0]
+        for a, v in zip(alpha[1:], sources[1:]):  # source by source: no [n, B, T, d] temporary
+            out = torch.addcmul(out, a, v)
+        return out.to(blocks.dtype)
 
 
-def push_depth_source(sources: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int) -> torch.Tensor:
-    """Adds sublayer `sublayer`'s output to the depth sources [n, B, T, d]: it opens a new partial sum
-    when a block starts (every block_size sublayers), else it accumulates into the current one."""
+def push_depth_output(partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """After sublayer `sublayer`: its output opens a new partial sum when a block starts (the old one
+    then joins the completed blocks: one copy per block, not per sublayer), else it accumulates."""
+    if sublayer == 0:
+        return output, blocks
     if sublayer % block_size == 0:
-        return torch.cat([sources, output[None]])
-    return torch.cat([sources[:-1], (sources[-1] + output)[None]])
+        return output, torch.cat([blocks, partial[None]])
+    return partial + output, blocks
 
 
 class KimiHybridDecoderLayer(GradientCheckpointingLayer):
@@ -513,9 +526,13 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         self.input_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                packed: PackedSequences | None = None, **kwargs: Unpack[TransformersKwargs]) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, depth_blocks: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
+                past_key_values: Cache | None = None, packed: PackedSequences | None = None,
+                **kwargs: Unpack[TransformersKwargs]):
+        """hidden_states [B, T, d] -> [B, T, d]; with Attention Residuals (partial sum, completed
+        blocks [n, B, T, d]) -> the same pair after this layer's two sublayers (both positional, so
+        that gradient checkpointing propagates gradients to both)."""
         def mix(h):
             h = self.input_layernorm(h)
             if self.layer_type == "full_attention":
@@ -525,10 +542,12 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         if self.block_size is None:
             hidden_states = hidden_states + mix(hidden_states)
             return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
-        sources, s = hidden_states, 2 * self.layer_idx
-        sources = push_depth_source(sources, mix(self.attn_res(sources)), s, self.block_size)
-        out = self.mlp(self.post_attention_layernorm(self.mlp_res(sources)))
-        return push_depth_source(sources, out, s + 1, self.block_size)
+        # Attention Residuals: hidden_states is the current partial sum, depth_blocks the completed blocks
+        s, partial, blocks = 2 * self.layer_idx, hidden_states, depth_blocks
+        out = mix(self.attn_res(blocks, partial if s > 0 else None))
+        partial, blocks = push_depth_output(partial, blocks, out, s, self.block_size)
+        out = self.mlp(self.post_attention_layernorm(self.mlp_res(blocks, partial)))
+        return push_depth_output(partial, blocks, out, s + 1, self.block_size)
 
 
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -606,13 +625,18 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         masks = {"full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
                  "linear_attention": create_recurrent_attention_mask(*mask_args)}
 
-        attn_res = self.config.attn_residual_blocks() is not None
-        hidden_states = inputs_embeds[None] if attn_res else inputs_embeds  # depth sources: the embedding first
-        for layer in self.layers:
-            hidden_states = layer(hidden_states, attention_mask=masks[layer.layer_type], position_ids=position_ids,
-                                  past_key_values=past_key_values, packed=packed, **kwargs)
-        if attn_res:
-            hidden_states = self.final_res(hidden_states)
+        hidden_states = inputs_embeds
+        if self.config.attn_residual_blocks() is None:
+            for layer in self.layers:
+                hidden_states = layer(hidden_states, None, attention_mask=masks[layer.layer_type],
+                                      position_ids=position_ids, past_key_values=past_key_values, packed=packed, **kwargs)
+        else:  # depth sources: the embedding as block 0; the partial sum starts empty
+            blocks = inputs_embeds[None]
+            for layer in self.layers:
+                hidden_states, blocks = layer(hidden_states, blocks, attention_mask=masks[layer.layer_type],
+                                              position_ids=position_ids, past_key_values=past_key_values,
+                                              packed=packed, **kwargs)
+            hidden_states = self.final_res(blocks, hidden_states)
         return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values))
 
 

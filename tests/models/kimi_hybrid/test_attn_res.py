@@ -57,9 +57,9 @@ def test_each_sublayer_sees_embedding_completed_blocks_and_partial_sum(block_siz
     embedding and the running sum: the standard residual plus the embedding source."""
     m = model("block", block_size)
     seen = []
-    hooks = [mod.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0]))
-             for layer in m.model.layers for mod in (layer.attn_res, layer.mlp_res)]
-    hooks.append(m.model.final_res.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[0])))
+    count = lambda mod, inp, out: seen.append(inp[0].shape[0] + (len(inp) > 1 and inp[1] is not None))  # noqa: E731
+    hooks = [mod.register_forward_hook(count) for layer in m.model.layers for mod in (layer.attn_res, layer.mlp_res)]
+    hooks.append(m.model.final_res.register_forward_hook(count))
     with torch.no_grad():
         m(ids(1, 12))
     for h in hooks:

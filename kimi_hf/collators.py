@@ -24,19 +24,21 @@ class KimiHybridVisionCollator:
         tok = processor.tokenizer
         self.ids = {name: tok.convert_tokens_to_ids(name) for name in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
 
-    def _assistant_mask(self, row: list[int]) -> list[bool]:
-        keep, header, inside = [], False, False
-        for t in row:
-            if inside:
-                keep.append(True)
-                inside = t != self.ids["<|im_end|>"]
-                continue
-            keep.append(False)
-            if t == self.ids["<|im_assistant|>"]:
-                header = True
-            elif header and t == self.ids["<|im_middle|>"]:
-                header, inside = False, True
-        return keep
+    def _last(self, ids: torch.Tensor, token: str, strictly_before: bool) -> torch.Tensor:
+        """[B, T]: position of the last `token` at (or strictly before) each position, -1 if none."""
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        last = torch.where(ids == self.ids[token], pos, -1).cummax(1).values
+        if strictly_before:
+            last = torch.cat([last.new_full((ids.shape[0], 1), -1), last[:, :-1]], 1)
+        return last
+
+    def _assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: the tokens of assistant replies, from the first <|im_middle|> after an
+        <|im_assistant|> up to and including the next <|im_end|> (vectorised over tokens)."""
+        header = self._last(ids, "<|im_assistant|>", False)
+        middle = self._last(ids, "<|im_middle|>", True)
+        end = self._last(ids, "<|im_end|>", True)  # strictly before: a reply keeps its own <|im_end|>
+        return (header >= 0) & (middle > header) & (end < middle)
 
     def __call__(self, examples: list[dict]) -> dict:
         if not examples:
@@ -52,8 +54,7 @@ class KimiHybridVisionCollator:
         labels = ids.masked_fill(batch["attention_mask"] == 0, IGNORE_INDEX)
         labels = labels.masked_fill(ids == self.processor.image_token_id, IGNORE_INDEX)
         if self.train_on == "assistant":
-            keep = torch.tensor([self._assistant_mask(row) for row in ids.tolist()], dtype=torch.bool)
-            labels = labels.masked_fill(~keep, IGNORE_INDEX)
+            labels = labels.masked_fill(~self._assistant_mask(ids), IGNORE_INDEX)
         batch["labels"] = labels
         return batch
 

@@ -1,7 +1,7 @@
 """Chunked KDA on Triton: the autograd Function around the kernels of chunk_fwd / chunk_bwd.
 
 Saved for the backward: the inputs, G (fp32), X = (I + A)^-1 and P (fp32, [T, H, 64] each).
-W, U, the per-chunk states and v' are recomputed.
+The backward recomputes W, U (from X), the per-chunk states and v'.
 """
 
 from __future__ import annotations
@@ -35,20 +35,26 @@ class _Meta:
         return dict(H=self.H, K=self.K, BT=CHUNK, BK=self.BK)
 
 
-def _recompute_states(m, q, k, v, beta, G, X, h0, want_final):
-    """W, U from X, then the per-chunk states and v' (the forward's stages 3-4)."""
+def _wy(m, q, k, v, beta, G, A, X):
+    """W = X (beta e^G k), U = X (beta v); with A given, X = (I + A)^-1 is computed (and stored) first."""
     T, H, K, V, tab, dt = q.shape[0], m.H, m.K, m.V, m.tab, _operand_dtype(q)
     W = torch.empty(T, H, K, dtype=dt, device=q.device)
     U = torch.empty(T, H, V, dtype=dt, device=q.device)
-    wy_kernel[(tab.num_chunks, H)](k, v, beta, G, None, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=m.BV,
-                                   L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid, INVERT=False, **m.common())
+    wy_kernel[(tab.num_chunks, H)](k, v, beta, G, A, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=m.BV,
+                                   L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid, INVERT=A is not None, **m.common())
+    return W, U
+
+
+def _states(m, q, k, G, W, U, h0, want_final):
+    """The sequential pass: the state entering every chunk, v' = U - W S, the final state."""
+    T, H, K, V, tab, dt = q.shape[0], m.H, m.K, m.V, m.tab, _operand_dtype(q)
     hs = torch.empty(tab.num_chunks, H, K, V, dtype=dt, device=q.device)
     vnew = torch.empty(T, H, V, dtype=dt, device=q.device)
     ht = torch.empty(tab.N, H, K, V, dtype=torch.float32, device=q.device) if want_final else None
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), tab.N * H)  # noqa: E731
     state_kernel[grid](k, W, U, G, h0, hs, vnew, ht, tab.bos, tab.length, tab.seq, V=V, L2NORM=m.l2norm,
                        USE_H0=h0 is not None, STORE_HT=want_final, **m.common())
-    return W, hs, vnew, ht
+    return hs, vnew, ht
 
 
 class ChunkKDAFunction(torch.autograd.Function):
@@ -62,12 +68,9 @@ class ChunkKDAFunction(torch.autograd.Function):
                                  HAS_BIAS=dt_bias is not None, **meta.common())
         scores_kernel[grid](q, k, beta, G, A, P, tab.bos, tab.length, meta.scale, BC=SUB, L2NORM=meta.l2norm,
                             BETA_SIGMOID=meta.beta_sigmoid, **meta.common())
-        dt = _operand_dtype(q)
-        W, U = torch.empty(T, H, K, dtype=dt, device=q.device), torch.empty(T, H, V, dtype=dt, device=q.device)
-        wy_kernel[grid](k, v, beta, G, A, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=meta.BV, L2NORM=meta.l2norm,
-                        BETA_SIGMOID=meta.beta_sigmoid, INVERT=True, **meta.common())
-        del A, W, U  # the recurrence recomputes W, U from X (cheap) to keep one code path
-        _, hs, vnew, ht = _recompute_states(meta, q, k, v, beta, G, X, h0, want_final)
+        W, U = _wy(meta, q, k, v, beta, G, A, X)
+        hs, vnew, ht = _states(meta, q, k, G, W, U, h0, want_final)
+        del A, W, U  # the backward recomputes W, U from X and the states rather than keeping them
         o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
         out_grid = lambda m: (triton.cdiv(V, m["BV"]), tab.num_chunks, H)  # noqa: E731
         output_kernel[out_grid](q, G, P, hs, vnew, o, tab.bos, tab.length, meta.scale, V=V, L2NORM=meta.l2norm,
@@ -84,7 +87,9 @@ class ChunkKDAFunction(torch.autograd.Function):
         T, H, K, V, tab = q.shape[0], m.H, m.K, m.V, m.tab
         do = do.contiguous()  # autograd may hand over expanded (stride-0) gradients
         dht = dht.float().contiguous() if dht is not None else None
-        W, hs, vnew, _ = _recompute_states(m, q, k, v, beta, G, X, h0, False)
+        W, U = _wy(m, q, k, v, beta, G, None, X)
+        hs, vnew, _ = _states(m, q, k, G, W, U, h0, False)
+        del U
         new32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
         dhs, dvnew = new32(tab.num_chunks, H, K, V), new32(T, H, V)
         dh0 = new32(tab.N, H, K, V) if h0 is not None else None

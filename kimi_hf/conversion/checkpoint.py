@@ -44,8 +44,7 @@ def read_config(path: str) -> dict:
 class CheckpointReader:
     """A checkpoint directory: config.json and safetensors shards (with or without an index).
 
-    Tensors are read lazily, one at a time; shapes come from the file headers without reading data.
-    Missing shards and unreadable files raise errors that name the file.
+    Tensors are read lazily, one at a time, with one shard open at a time. Missing shards and unreadable files raise errors that name the file.
     """
 
     def __init__(self, path: str):
@@ -83,9 +82,6 @@ class CheckpointReader:
             self._handles = {file: self._open(file)}  # one open shard at a time
         return self._handles[file]
 
-    def config(self) -> dict:
-        return read_config(self.path)
-
     def names(self) -> list[str]:
         return list(self.weight_map)
 
@@ -94,12 +90,6 @@ class CheckpointReader:
 
     def get(self, name: str) -> torch.Tensor:
         return self._handle(self.weight_map[name]).get_tensor(name)
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._handle(self.weight_map[name]).get_slice(name).get_shape())
-
-    def total_bytes(self) -> int:
-        return sum(os.path.getsize(os.path.join(self.path, f)) for f in set(self.weight_map.values()))
 
 
 class ShardedWriter:

@@ -17,8 +17,7 @@ import re
 import torch
 
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
-from .kimi_linear import NATIVE, OURS, convert_config, native_to_ours
-from .tokenizer import convert_tokenizer_dir
+from .kimi_linear import NATIVE, OURS, cast, convert_config, copy_side_files, native_to_ours
 
 _BLOCK = re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
 _BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2", "wo": "attn.proj"}
@@ -97,32 +96,23 @@ def assemble(text_src: str, vision_src: str, dst: str, image_token_id: int | Non
                     if note not in notes:
                         notes.append(note)
                     continue
-                writer.add(new, _cast(new, t, dtype))
+                writer.add(new, cast(new, t, dtype))
         names = text_reader.names()
         tensors = ((n, text_reader.get(n)) for n in names)
         if text_cfg["model_type"] == NATIVE:
             tensors = native_to_ours(tensors, config.text_config.linear_num_heads)
         for name, t in progress(tensors, len(names), "text", show_progress):
             writer.add(name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model."),
-                       _cast(name, t, dtype))
+                       cast(name, t, dtype))
         out_cfg = config.to_dict()
         out_cfg["architectures"] = ["KimiHybridForConditionalGeneration"]
         writer.write_json("config.json", out_cfg)
-        for extra in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                      "generation_config.json"):
-            if os.path.exists(os.path.join(text_src, extra)):
-                writer.copy(os.path.join(text_src, extra))
-        convert_tokenizer_dir(text_src, writer.tmp)
+        copy_side_files(text_src, writer)
         shards = writer.finish()
     for note in notes:
         print(f"note: {note}")
     return {"shards": len(shards), "tensors": len(writer.seen), "peak_rss_mb": peak_rss_mb(), "notes": notes,
             "image_token_id": image_token_id}
-
-
-def _cast(name, t, dtype):
-    keep = name.endswith((".A_log", ".dt_bias", "e_score_correction_bias"))
-    return t.to(dtype) if dtype is not None and t.is_floating_point() and not keep else t
 
 
 def _image_token_id(text_src: str, k25_cfg: dict, vocab: int) -> int:

@@ -77,6 +77,22 @@ def ours_to_native(tensors):
             yield name, t
 
 
+def cast(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """--dtype for one tensor: floating tensors are cast, except the gates and the router bias."""
+    if dtype is None or not t.is_floating_point() or name.endswith(_KEEP_FP32):
+        return t
+    return t.to(dtype)
+
+
+def copy_side_files(src: str, writer: ShardedWriter) -> bool:
+    """Copies generation config and tokenizer files next to the weights; Kimi's tiktoken files also
+    become a fast tokenizer.json. Returns whether that conversion happened."""
+    for extra in EXTRA_FILES:
+        if os.path.exists(os.path.join(src, extra)):
+            writer.copy(os.path.join(src, extra))
+    return convert_tokenizer_dir(src, writer.tmp)
+
+
 def convert_config(cfg: dict) -> dict:
     """config.json of one side -> the other's."""
     cfg = {k: v for k, v in cfg.items() if k not in ("architectures", "auto_map", "transformers_version")}
@@ -142,8 +158,7 @@ def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size
             ours = native_to_ours(source, heads) if to_ours else source
             checked = _check(ours, expected, reader, names)
             for name, t in (checked if to_ours else ours_to_native(checked)):
-                if dtype is not None and t.is_floating_point() and not name.endswith(_KEEP_FP32):
-                    t = t.to(dtype)
+                t = cast(name, t, dtype)
                 largest = max(largest, t.numel() * t.element_size())
                 writer.add(name, t)
         missing = sorted(set(expected) - _seen_ours(writer.seen, to_ours))
@@ -152,10 +167,7 @@ def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size
         if dtype is not None:
             new_cfg["dtype"] = str(dtype).removeprefix("torch.")
         writer.write_json("config.json", new_cfg)
-        for extra in EXTRA_FILES:
-            if os.path.exists(os.path.join(src, extra)):
-                writer.copy(os.path.join(src, extra))
-        fast_tokenizer = convert_tokenizer_dir(src, writer.tmp)  # Kimi's tiktoken files -> tokenizer.json
+        fast_tokenizer = copy_side_files(src, writer)
         shards = writer.finish()
     return {"model_type": new_cfg["model_type"], "shards": len(shards), "tensors": len(writer.seen),
             "peak_rss_mb": peak_rss_mb(), "largest_tensor_mb": largest / 2**20, "fast_tokenizer": fast_tokenizer}

@@ -32,8 +32,9 @@ except ImportError:
     _triton_recurrent_kda = None
 try:
     from kimi_hf_kernels.kda import chunk_kda as _triton_chunk_kda
+    from kimi_hf_kernels.kda.common import MAX_HEAD_DIM as _TRITON_MAX_HEAD_DIM  # whole K, V rows per tile
 except ImportError:
-    _triton_chunk_kda = None
+    _triton_chunk_kda, _TRITON_MAX_HEAD_DIM = None, 0
 
 __all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "kda_gate", "CHUNK_SIZE"]
 
@@ -550,9 +551,6 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
 # --------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------
-_TRITON_MAX_HEAD_DIM = 256  # the Triton kernels keep whole K and V rows in one tile
-
-
 def _select(backend, q, v, triton_impl, torch_impl):
     if backend == "reference":
         return naive_recurrent_kda

@@ -13,16 +13,18 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .models.kimi_hybrid.processing_kimi_hybrid import CHAT_TEMPLATE, IMAGE_TOKEN
+from .models.kimi_hybrid.processing_kimi_hybrid import CHAT_TEMPLATE, IMAGE_TOKEN, RESPONSE_TEMPLATE
 
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
 CHAT_TOKENS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
 MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", IMAGE_TOKEN, "<|media_end|>"]
-SPECIAL_TOKENS = [PAD, BOS, EOS] + CHAT_TOKENS + MEDIA_TOKENS
+TOOL_TOKENS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
+SPECIAL_TOKENS = [PAD, BOS, EOS] + CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedTokenizerFast:
-    """Byte-level BPE over `texts` with SPECIAL_TOKENS (ids 0..11, in that order) and the chat template."""
+    """Byte-level BPE over `texts` with SPECIAL_TOKENS (ids 0..16, in that order) and the chat template."""
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(f"vocab_size must be an integer >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size!r}")
     tok = Tokenizer(models.BPE())
@@ -32,9 +34,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedT
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=CHAT_TOKENS + MEDIA_TOKENS)
+                                   additional_special_tokens=CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS)
     fast.chat_template = CHAT_TEMPLATE
+    fast.response_template = RESPONSE_TEMPLATE
     return fast
 
 
-__all__ = ["train_tokenizer", "SPECIAL_TOKENS", "BOS", "EOS", "PAD"]
+__all__ = ["train_tokenizer", "SPECIAL_TOKENS", "TOOL_TOKENS", "BOS", "EOS", "PAD"]

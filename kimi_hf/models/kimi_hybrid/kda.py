@@ -583,7 +583,10 @@ def _run(impl, fused: bool, q, k, v, g, beta, scale, initial_state, output_final
             g = kda_gate(g, A_log, None if dt_bias is None else dt_bias.reshape(-1))
         if use_beta_sigmoid_in_kernel:
             beta = torch.sigmoid(beta.to(_compute_dtype(q)))
-    o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, **kw)
+    # autocast would turn the fp32 gate / state arithmetic's matmuls into bf16 halfway: the op picks its
+    # own compute dtype from the inputs instead
+    with torch.autocast(q.device.type, enabled=False):
+        o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, **kw)
     return o.to(q.dtype), S
 
 

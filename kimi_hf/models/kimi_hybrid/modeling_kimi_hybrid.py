@@ -32,6 +32,7 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
+from .depth_attention import depth_attention, depth_attention_weights
 from .hub_kimi_hybrid import RemoteCodeMixin
 from .kda import chunk_kda, recurrent_kda
 
@@ -473,28 +474,15 @@ class KimiHybridDepthAttention(nn.Module):
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.key_norm = KimiHybridRMSNorm(hidden_size, eps=eps)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        """q . (g * x / rms(x)) as (x . (g * q)) / rms(x): two reductions, no normalised copy of x
-        (one matrix-vector product: a batched einsum runs a tiny matmul per token on CPU)."""
-        x = x.float()
-        d = x.shape[-1]
-        inv_rms = torch.rsqrt(torch.linalg.vector_norm(x, dim=-1).square() / d + self.key_norm.variance_epsilon)
-        return torch.mv(x.reshape(-1, d), self.key_norm.weight.float() * self.query.float()).view(x.shape[:-1]) * inv_rms
+    def _w(self) -> torch.Tensor:
+        return self.key_norm.weight.float() * self.query.float()  # q . (g * x / rms(x)) = ((g * q) . x) / rms(x)
 
     def weights(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
         """[n (+ 1), B, T] fp32 weights over the blocks (and the partial sum, last)."""
-        logits = self._logits(blocks)
-        if partial is not None:
-            logits = torch.cat([logits, self._logits(partial)[None]])
-        return logits.softmax(0)
+        return depth_attention_weights(self._w(), blocks, partial, self.key_norm.variance_epsilon)
 
     def forward(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
-        alpha = self.weights(blocks, partial).unsqueeze(-1)
-        sources = list(blocks.float().unbind(0)) + ([partial.float()] if partial is not None else [])
-        out = alpha[0] * sources[0]
-        for a, v in zip(alpha[1:], sources[1:]):  # source by source: no [n, B, T, d] temporary
-            out = torch.addcmul(out, a, v)
-        return out.to(blocks.dtype)
+        return depth_attention(self._w(), blocks, partial, self.key_norm.variance_epsilon)
 
 
 def push_depth_output(partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int,

@@ -15,19 +15,49 @@ IMAGE_TOKEN = "<|media_pad|>"
 IMAGE_MARKUP = "<|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
 
 # Kimi's chat markup; content is a string or a list of {"type": "text" | "image", ...} parts
+# Kimi's chat markup, with its tool-calling format: tools declared in a `tool_declare` system turn,
+# an assistant's calls as <|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>
+# inside a calls section, results as `tool` system turns naming the call id.
 CHAT_TEMPLATE = (
+    "{%- if tools -%}<|im_system|>tool_declare<|im_middle|>{{ tools | tojson }}<|im_end|>{%- endif -%}"
     "{%- for message in messages -%}"
     "{%- if message['role'] == 'system' -%}<|im_system|>system<|im_middle|>"
+    "{%- elif message['role'] == 'tool' -%}<|im_system|>tool<|im_middle|>## Return of {{ message.get('tool_call_id') or message.get('name', '') }}{{ '\\n' }}"
     "{%- elif message['role'] == 'user' -%}<|im_user|>user<|im_middle|>"
     "{%- else -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
     "{%- if message['content'] is string -%}{{ message['content'] }}"
-    "{%- else -%}{%- for part in message['content'] -%}"
+    "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
     "{%- if part['type'] == 'image' -%}" + IMAGE_MARKUP +
     "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
-    "{%- endfor -%}{%- endif -%}<|im_end|>"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}<|tool_calls_section_begin|>"
+    "{%- for call in message['tool_calls'] -%}{%- set fn = call['function'] if call.get('function') else call -%}"
+    "<|tool_call_begin|>{{ call.get('id') or 'functions.' ~ fn['name'] ~ ':' ~ loop.index0 }}<|tool_call_argument_begin|>"
+    "{%- if fn['arguments'] is string -%}{{ fn['arguments'] }}{%- else -%}{{ fn['arguments'] | tojson }}{%- endif -%}"
+    "<|tool_call_end|>{%- endfor -%}<|tool_calls_section_end|>{%- endif -%}"
+    "<|im_end|>"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}<|im_assistant|>assistant<|im_middle|>{%- endif -%}"
 )
+
+
+# transformers' response parser spec for that markup (tokenizer.response_template): lets
+# tokenizer.parse_response, `transformers serve` and TRL's tool loop read the assistant's tool calls.
+RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
+    "fields": {
+        "tool_calls": {
+            "open_pattern": r"\s*(?:<\|tool_calls_section_begin\|>)?\s*<\|tool_call_begin\|>\s*(?:functions\.)?"
+                            r"(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>",
+            "close_pattern": r"<\|tool_call_end\|>\s*(?:<\|tool_calls_section_end\|>)?",
+            "repeats": True,
+            "content": "json",
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "content": {"close_pattern": r"\s*(?:<\|im_end\|>|\[EOS\])", "content": "text"},
+    },
+}
 
 
 class KimiHybridProcessor(ProcessorMixin):
@@ -83,4 +113,4 @@ class KimiHybridProcessor(ProcessorMixin):
 
 KimiHybridProcessor.register_for_auto_class("AutoProcessor")  # saved processors carry auto_map and this file
 
-__all__ = ["KimiHybridProcessor", "CHAT_TEMPLATE", "IMAGE_TOKEN", "IMAGE_MARKUP"]
+__all__ = ["KimiHybridProcessor", "CHAT_TEMPLATE", "RESPONSE_TEMPLATE", "IMAGE_TOKEN", "IMAGE_MARKUP"]

@@ -240,3 +240,16 @@ def test_inputs_embeds_and_bad_arguments():
     assert torch.equal(a, b)
     with pytest.raises(ValueError, match="input_ids"):
         model(x, inputs_embeds=model.model.embed_tokens(x))
+
+
+def test_forward_backward_under_cpu_bf16_autocast():
+    """Trainer / TRL with bf16=True on CPU run the model under autocast: KDA keeps its own precision."""
+    model = KimiHybridForCausalLM(tiny_config())
+    x = torch.randint(3, 60, (2, 40))
+    with torch.no_grad():
+        reference = model(x, labels=x).loss
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x, labels=x).loss
+    loss.backward()
+    assert torch.isfinite(loss) and abs(loss.item() - reference.item()) < 0.05 * reference.item()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

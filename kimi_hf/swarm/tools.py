@@ -1,0 +1,165 @@
+"""Tool calls: the swarm's two orchestrator tools, user tools from Python functions, and parsing.
+
+A tool call is parsed from generated text with transformers' own parser when the tokenizer carries a
+`response_template` (`tokenizer.parse_response`), else from Kimi's markup
+(<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>) or the
+common <tool_call>{"name": ..., "arguments": {...}}</tool_call> form.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers.utils import get_json_schema
+
+CREATE_SUBAGENT = {
+    "type": "function",
+    "function": {
+        "name": "create_subagent",
+        "description": "Create a sub-agent: a worker with its own context that runs tasks you assign to it "
+                       "and returns only its final answer.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "name": {"type": "string", "description": "A unique name for the sub-agent."},
+                "system_prompt": {"type": "string", "description": "Its role and instructions."},
+            },
+            "required": ["name"],
+        },
+    },
+}
+ASSIGN_TASK = {
+    "type": "function",
+    "function": {
+        "name": "assign_task",
+        "description": "Give a created sub-agent a task. Tasks assigned in the same turn run in parallel; "
+                       "each returns the sub-agent's final answer.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "agent": {"type": "string", "description": "The sub-agent's name."},
+                "task": {"type": "string", "description": "What it should do, self-contained."},
+            },
+            "required": ["agent", "task"],
+        },
+    },
+}
+ORCHESTRATOR_TOOLS = [CREATE_SUBAGENT, ASSIGN_TASK]
+
+_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>",
+                        re.DOTALL)
+_KIMI_SECTION = "<|tool_calls_section_begin|>"
+_HERMES_CALL = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*</tool_call>", re.DOTALL)
+
+
+@dataclass
+class ToolCall:
+    """One call: `arguments` is a dict, or the raw string when it was not valid JSON (reported back)."""
+    name: str
+    arguments: dict | str
+    id: str = ""
+
+    def to_message(self) -> dict:
+        """The OpenAI / transformers chat format of the call (arguments as a dict)."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def _kimi_name(call_id: str) -> str:
+    """functions.NAME:IDX -> NAME."""
+    name = call_id.split(":")[0]
+    return name[len("functions."):] if name.startswith("functions.") else name
+
+
+def _loads(raw: str) -> dict | str:
+    try:
+        value = json.loads(raw)
+    except (json.JSONDecodeError, TypeError):
+        return raw
+    return value if isinstance(value, dict) else raw
+
+
+def parse_tool_calls(text: str, tokenizer=None, prefix: str | None = None,
+                     tools: list | None = None) -> tuple[str, list[ToolCall]]:
+    """Generated text -> (content without the call markup, tool calls in order)."""
+    if not isinstance(text, str):
+        raise TypeError(f"text must be a string, got {type(text).__name__}")
+    if tokenizer is not None and getattr(tokenizer, "response_template", None) is not None:
+        try:
+            message = tokenizer.parse_response(text, prefix=prefix or "", tools=tools)
+        except Exception:  # malformed markup (e.g. arguments that are not JSON): the lenient parser below
+            message = None
+        if message is not None:
+            calls = []
+            for i, c in enumerate(message.get("tool_calls") or []):
+                fn = c.get("function", c)
+                args = fn.get("arguments", {})
+                calls.append(ToolCall(fn["name"], _loads(args) if isinstance(args, str) else args,
+                                      c.get("id") or f"functions.{fn['name']}:{i}"))
+            return (message.get("content") or "").strip(), calls
+    calls = []
+    for i, m in enumerate(_KIMI_CALL.finditer(text)):
+        call_id = m["id"].strip() or f"call_{i}"
+        calls.append(ToolCall(_kimi_name(call_id), _loads(m["args"].strip()), call_id))
+    content = text.split(_KIMI_SECTION)[0] if calls else text
+    if not calls:
+        for i, m in enumerate(_HERMES_CALL.finditer(text)):
+            body = _loads(m["body"])
+            if isinstance(body, dict) and isinstance(body.get("name"), str):
+                args = body.get("arguments", body.get("parameters", {}))
+                calls.append(ToolCall(body["name"], _loads(args) if isinstance(args, str) else args, f"call_{i}"))
+            else:
+                calls.append(ToolCall("<unparsed>", m["body"], f"call_{i}"))
+        if calls:
+            content = _HERMES_CALL.sub("", text)
+    return content.strip(), calls
+
+
+def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: str = "") -> str:
+    """Text in Kimi's tool-call markup (what the chat template renders and the parser reads), for
+    scripted agents and for replaying messages: [(name, arguments), ...] or ToolCalls."""
+    parts = []
+    for i, c in enumerate(calls):
+        name, args = (c.name, c.arguments) if isinstance(c, ToolCall) else c
+        args = args if isinstance(args, str) else json.dumps(args)
+        parts.append(f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
+    return content + (_KIMI_SECTION + "".join(parts) + "<|tool_calls_section_end|>" if parts else "")
+
+
+@dataclass
+class Tool:
+    """A Python function the agents may call: its JSON schema comes from the signature and the
+    Google-style docstring (transformers' get_json_schema). Async functions are awaited."""
+    fn: Callable
+    schema: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not callable(self.fn):
+            raise TypeError(f"tool must be callable, got {type(self.fn).__name__}")
+        self.schema = self.schema or get_json_schema(self.fn)
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    async def __call__(self, arguments: dict) -> Any:
+        result = self.fn(**arguments)
+        return await result if inspect.isawaitable(result) else result
+
+
+def as_tools(tools) -> dict[str, Tool]:
+    """A list of functions / Tool objects -> {name: Tool}; duplicate names raise ValueError."""
+    out: dict[str, Tool] = {}
+    for t in tools or []:
+        tool = t if isinstance(t, Tool) else Tool(t)
+        if tool.name in out:
+            raise ValueError(f"tools: two tools are named {tool.name!r}")
+        out[tool.name] = tool
+    return out
+
+
+__all__ = ["ToolCall", "Tool", "as_tools", "parse_tool_calls", "format_tool_calls", "ORCHESTRATOR_TOOLS", "CREATE_SUBAGENT", "ASSIGN_TASK"]

@@ -1,0 +1,143 @@
+"""The orchestrator runtime with scripted agents: parallelism bounds, budgets, failures, the trace."""
+
+import asyncio
+import json
+
+import pytest
+from .helpers import fan_out_orchestrator, lookup, tool_results, worker
+
+from kimi_hf.swarm import ScriptedBackend, Swarm, SwarmConfig, Trace, format_tool_calls, run_single_agent
+
+
+def test_fan_out_runs_in_parallel_up_to_the_bound_and_returns_only_final_answers(tmp_path):
+    sub = ScriptedBackend(worker(steps=3), latency=0.05)
+    swarm = Swarm(ScriptedBackend(fan_out_orchestrator(6)), sub, tools=[lookup], max_concurrency=4)
+    result = swarm.run("collect six items", trace_path=tmp_path / "trace.jsonl")
+    assert result.status == "finished"
+    assert result.answer == " | ".join(f"done: item {i} turn 0" for i in range(6))
+    assert sub.max_in_flight == 4  # reaches the bound, never exceeds it
+    # the orchestrator sees only final answers, never the sub-agents' tool traffic
+    assert all("value of" not in m["content"] for m in result.messages if m["role"] == "tool")
+    m = result.metrics
+    assert (m["num_subagents"], m["num_tasks"], m["finished_tasks"], m["finish_rate"]) == (6, 6, 6, 1.0)
+    assert m["total_steps"] == 2 + 6 * 3 and m["critical_steps"] == 2 + 3
+    assert m["parallelism"] == pytest.approx(20 / 5) and m["max_width"] == 6
+    lines = Trace.load(tmp_path / "trace.jsonl")
+    assert lines == json.loads(json.dumps(result.trace.events))
+    steps = [e for e in lines if e["type"] == "step"]
+    assert {e["role"] for e in steps} == {"orchestrator", "subagent"}
+    assert all(e["end"] >= e["start"] for e in steps)
+    assert steps[0]["tool_calls"] == ["create_subagent"] * 6 + ["assign_task"] * 6
+
+
+def test_wall_time_reflects_parallel_runs():
+    sub = ScriptedBackend(worker(steps=2), latency=0.1)
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(8)), sub, tools=[lookup], max_concurrency=8).run("t")
+    # 8 runs x 2 calls x 0.1 s serially would be 1.6 s; in parallel about 0.2 s
+    assert result.metrics["wall_time"] < 0.8
+
+
+def test_failures_timeouts_and_budgets_become_tool_errors():
+    def sub_policy(messages, tools):
+        task = messages[1]["content"]
+        if "item 0" in task:
+            raise RuntimeError("backend down")
+        if "item 1" in task:
+            return asyncio.sleep(5, result="too late")
+        if "item 2" in task:
+            return format_tool_calls([("lookup", {"key": "x"})])  # never answers
+        if "item 3" in task:
+            return format_tool_calls([("no_such_tool", {})])
+        return "fine"
+    swarm = Swarm(ScriptedBackend(fan_out_orchestrator(4)), ScriptedBackend(sub_policy), tools=[lookup],
+                  max_subagent_steps=3, subagent_timeout=0.3)
+    result = swarm.run("t")
+    assert result.status == "finished"
+    errors = tool_results(result.messages)[4:]
+    assert "backend down" in errors[0] and errors[0].startswith("Error: sub-agent 'a0'")
+    assert "timed out after 0.3 s" in errors[1]
+    assert "3-step budget" in errors[2]
+    assert "3-step budget" in errors[3]  # unknown tools are reported to the sub-agent, which keeps trying
+    statuses = [e["status"] for e in result.trace.events if e["type"] == "task"]
+    assert sorted(statuses) == ["failed", "step_budget", "step_budget", "timeout"]
+    assert result.metrics["finish_rate"] == 0.0
+
+
+def test_orchestrator_tool_errors_do_not_crash():
+    turns = iter([
+        format_tool_calls([("assign_task", {"agent": "ghost", "task": "x"}), ("create_subagent", {"name": "a"}),
+                           ("create_subagent", {"name": "a"}), ("create_subagent", {}), ("mystery", {}),
+                           ("assign_task", "not json")]),
+        "final",
+    ])
+    result = Swarm(ScriptedBackend(lambda m, t: next(turns)), max_subagents=1).run("t")
+    errs = tool_results(result.messages)
+    assert "no sub-agent named 'ghost'" in errs[0] and errs[1] == "Created sub-agent 'a'."
+    assert "exists already" in errs[2] and "non-empty string `name`" in errs[3]
+    assert "unknown tool 'mystery'" in errs[4] and "not a JSON object" in errs[5]
+    assert result.answer == "final"
+
+
+def test_max_subagents_limit():
+    calls = [("create_subagent", {"name": f"a{i}"}) for i in range(3)]
+    turns = iter([format_tool_calls(calls), "ok"])
+    result = Swarm(ScriptedBackend(lambda m, t: next(turns)), max_subagents=2).run("t")
+    assert "limit of 2 sub-agents" in tool_results(result.messages)[2]
+    assert result.metrics["num_subagents"] == 2
+
+
+def test_budgets_end_the_episode():
+    loop_forever = ScriptedBackend(lambda m, t: format_tool_calls([("create_subagent", {"name": f"a{len(m)}"})]))
+    result = Swarm(loop_forever, max_orchestrator_steps=3, max_subagents=100).run("t")
+    assert result.status == "orchestrator_step_budget" and result.answer is None
+    assert result.metrics["total_steps"] == 3
+
+    # critical budget 6: turn 1 (1) + runs cut at the 5 critical steps that are left; turn 2 (7 > 6) never happens
+    sub = ScriptedBackend(worker(steps=10))
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(2, turns=2)), sub, tools=[lookup], max_critical_steps=6).run("t")
+    assert result.status == "critical_budget"
+    assert result.metrics["critical_steps"] == 6
+    assert all(e["steps"] == 5 and e["status"] == "step_budget" for e in result.trace.events if e["type"] == "task")
+
+
+def test_episode_timeout_cancels_running_subagents():
+    sub = ScriptedBackend(lambda m, t: asyncio.sleep(10, result="late"))
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(3)), sub, timeout=0.3, subagent_timeout=None).run("t")
+    assert result.status == "timeout" and result.answer is None
+    assert [e["status"] for e in result.trace.events if e["type"] == "task"] == ["cancelled"] * 3
+    assert result.metrics["wall_time"] < 2
+
+
+def test_stages_and_critical_steps_across_turns():
+    sub = ScriptedBackend(worker(steps=2))
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(3, turns=2)), sub, tools=[lookup]).run("t")
+    m = result.metrics
+    assert m["stages"] == 3 and m["critical_steps"] == (1 + 2) + (1 + 2) + 1
+    assert m["total_steps"] == 3 + 2 * 3 * 2
+
+
+def test_single_agent_baseline_is_all_critical():
+    result = run_single_agent(ScriptedBackend(worker(steps=4)), "item 0", tools=[lookup])
+    assert result.answer == "done: item 0"
+    assert result.metrics["critical_steps"] == result.metrics["total_steps"] == 4
+    assert result.metrics["parallelism"] == 1.0
+
+
+def test_bad_arguments_raise_clear_errors():
+    backend = ScriptedBackend(["x"])
+    with pytest.raises(ValueError, match="max_concurrency"):
+        SwarmConfig(max_concurrency=0)
+    with pytest.raises(ValueError, match="max_subagent_steps"):
+        SwarmConfig(max_subagent_steps=1.5)
+    with pytest.raises(TypeError, match="orchestrator"):
+        Swarm("not a backend")
+    with pytest.raises(ValueError, match="task"):
+        Swarm(backend).run("  ")
+    with pytest.raises(ValueError, match="swarm's own tools"):
+        def create_subagent(name: str):
+            """x
+
+            Args:
+                name: n
+            """
+        Swarm(backend, orchestrator_tools=[create_subagent])

@@ -105,6 +105,11 @@ async def _step(backend: Backend, messages, schemas, ep: _Episode, *, agent: str
                 run: int | None, step: int, forced: Completion | None = None) -> Completion:
     start = ep.now()
     completion = forced if forced is not None else await backend.complete(messages, schemas or None)
+    # call ids must be unique within a conversation (tool results are matched by id): Kimi numbers them
+    # functions.NAME:IDX with IDX counting every call so far, whatever the model wrote
+    seen = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
+    for i, call in enumerate(completion.tool_calls):
+        call.id = f"functions.{call.name}:{seen + i}"
     ep.trace.add(type="step", agent=agent, role=role, stage=stage, run=run, step=step,
                  tool_calls=[c.name for c in completion.tool_calls], prompt_tokens=completion.prompt_tokens,
                  completion_tokens=completion.completion_tokens, start=start, end=ep.now())

@@ -28,3 +28,14 @@ def test_multimodal_finetune(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "held-out accuracy" in out
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "processor_config.json").exists()
+
+
+def test_swarm_wide_search(tmp_path, capsys):
+    rows = load("swarm_wide_search").main(["--modules", "8", "--per-agent", "2", "--step-latency", "0.02",
+                                           "--out", str(tmp_path)])
+    single, swarm = rows["single agent"], rows["swarm"]
+    assert single["quality"] == swarm["quality"] == 1.0
+    assert (single["critical_steps"], swarm["critical_steps"]) == (9, 1 + 3 + 1)
+    assert swarm["num_subagents"] == 4 and swarm["total_steps"] == 2 + 4 * 3
+    assert (tmp_path / "serial.jsonl").exists() and (tmp_path / "swarm.jsonl").exists()
+    assert "| swarm | finished |" in capsys.readouterr().out

@@ -51,8 +51,16 @@ class ScriptedBackend(Backend):
     def __init__(self, policy: Callable | Iterable, latency: float = 0.0):
         if latency < 0:
             raise ValueError(f"latency must be >= 0, got {latency}")
-        self._policy = policy if callable(policy) else iter(list(policy)).__next__
         self._takes_args = callable(policy)
+        if not self._takes_args:
+            responses = iter(list(policy))
+
+            def policy():
+                try:
+                    return next(responses)
+                except StopIteration:
+                    raise BackendError("the scripted responses are used up") from None
+        self._policy = policy
         self.latency = latency
         self.calls = 0
         self.in_flight = 0

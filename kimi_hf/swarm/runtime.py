@@ -5,7 +5,9 @@ in its own context, and only its final answer returns to the orchestrator, as th
 Stage t = one orchestrator turn plus the sub-agent runs it started. Budgets: orchestrator turns,
 steps per sub-agent run, critical steps (sum over stages of 1 + the longest run; a run is cut at the
 critical budget that is left), a timeout per run and per episode. Failures, timeouts and exhausted
-budgets of sub-agents reach the orchestrator as tool errors; the episode itself never raises for them.
+budgets of sub-agents reach the orchestrator as tool errors; a failing orchestrator backend ends the
+episode with status "error" (and the message in `error`): an episode never raises, so one bad rollout
+cannot stop a training run.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ class SwarmResult:
     trace: Trace
     metrics: dict
     messages: list[dict]  # the orchestrator's (or single agent's) transcript
+    error: str | None = None  # status "error": what failed (the orchestrator's backend)
 
 
 class _Budget(Exception):
@@ -165,13 +168,14 @@ class Swarm:
         ep = _Episode(Trace(trace_path), time.monotonic(), asyncio.Semaphore(self.config.max_concurrency))
         messages = [{"role": "system", "content": self.config.orchestrator_prompt}, {"role": "user", "content": task}]
         forced = [_as_completion(f) for f in forced_orchestrator_outputs]
-        answer, status = None, "timeout"
+        answer, status, error = None, "timeout", None
         try:
             answer, status = await asyncio.wait_for(self._orchestrate(messages, ep, forced), self.config.timeout)
         except (asyncio.TimeoutError, TimeoutError):
             pass
-        ep.trace.add(type="final", status=status, answer=answer, wall_time=ep.now())
-        return SwarmResult(answer, status, ep.trace, swarm_metrics(ep.trace), messages)
+        except Exception as exc:  # the orchestrator's own backend failed: an episode that ended in error
+            status, error = "error", f"{type(exc).__name__}: {exc}"
+        return _finish(ep, answer, status, error, messages)
 
     async def _orchestrate(self, messages, ep: _Episode, forced: list[Completion]) -> tuple[str | None, str]:
         cfg = self.config
@@ -279,7 +283,7 @@ async def arun_single_agent(backend: Backend, task: str, tools=(), max_steps: in
         raise ValueError(f"max_steps must be a positive integer, got {max_steps!r}")
     ep = _Episode(Trace(trace_path), time.monotonic())
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": task}]
-    answer, status = None, "finished"
+    answer, status, error = None, "finished", None
     try:
         answer = await asyncio.wait_for(_agent_loop(backend, messages, as_tools(tools), max_steps, ep, agent="agent",
                                                     role="orchestrator", stage=0, run=None, progress=[0]), timeout)
@@ -287,8 +291,14 @@ async def arun_single_agent(backend: Backend, task: str, tools=(), max_steps: in
         status = "orchestrator_step_budget"
     except (asyncio.TimeoutError, TimeoutError):
         status = "timeout"
-    ep.trace.add(type="final", status=status, answer=answer, wall_time=ep.now())
-    return SwarmResult(answer, status, ep.trace, swarm_metrics(ep.trace), messages)
+    except Exception as exc:
+        status, error = "error", f"{type(exc).__name__}: {exc}"
+    return _finish(ep, answer, status, error, messages)
+
+
+def _finish(ep: _Episode, answer, status: str, error: str | None, messages) -> SwarmResult:
+    ep.trace.add(type="final", status=status, answer=answer, error=error, wall_time=ep.now())
+    return SwarmResult(answer, status, ep.trace, swarm_metrics(ep.trace), messages, error)
 
 
 def run_single_agent(backend: Backend, task: str, **kwargs) -> SwarmResult:

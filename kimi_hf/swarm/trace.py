@@ -7,7 +7,7 @@ Events (field `type`):
 - "create": a sub-agent was created: agent, stage.
 - "task": a sub-agent run ended: agent, run, stage, steps, status ("finished" | "failed" | "timeout" |
   "step_budget" | "cancelled"), error (or null), start, end.
-- "final": the episode ended: status, answer, wall_time.
+- "final": the episode ended: status, answer, error (or null), wall_time.
 
 critical_steps = sum over stages of (orchestrator steps in the stage + the longest sub-agent run in the
 stage, in steps) (SPEC 5); parallelism = total_steps / critical_steps.

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kimi_hf import KimiHybridForCausalLM
-from kimi_hf.swarm import (BackendError, OpenAIBackend, ScriptedBackend, Swarm, SwarmConfig, TransformersBackend,
+from kimi_hf.swarm import (OpenAIBackend, ScriptedBackend, Swarm, SwarmConfig, TransformersBackend,
                            format_tool_calls, run_single_agent)
 
 from ..models.kimi_hybrid.helpers import tiny_config, tiny_tokenizer
@@ -21,7 +21,9 @@ from .helpers import fan_out_orchestrator, lookup
 
 
 def tiny_chat_model():
-    tok = tiny_tokenizer()
+    # a fresh one: the cached tokenizer has been saved with a processor by other tests, which makes it save
+    # processor_class=KimiHybridProcessor (the server would then build the multimodal processor)
+    tok = tiny_tokenizer.__wrapped__()
     torch.manual_seed(0)
     model = KimiHybridForCausalLM(tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
                                               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
@@ -136,10 +138,13 @@ def test_http_backend_as_subagents_in_parallel(served_model):
 
 def test_http_errors_are_backend_errors(served_model):
     url, _, _, _ = served_model
-    with pytest.raises(BackendError, match="HTTP 4"):
-        run_single_agent(OpenAIBackend(url, "some-other-model", max_tokens=2, timeout=30), "x", max_steps=1)
-    closed = f"http://127.0.0.1:{_free_port()}/v1"
-    with pytest.raises(BackendError, match="127.0.0.1"):
-        run_single_agent(OpenAIBackend(closed, "m", timeout=5), "x", max_steps=1)
+    result = run_single_agent(OpenAIBackend(url, "some-other-model", max_tokens=2, timeout=30), "x", max_steps=1)
+    assert result.status == "error" and result.error.startswith("BackendError") and "HTTP 4" in result.error
+    closed = OpenAIBackend(f"http://127.0.0.1:{_free_port()}/v1", "m", timeout=5)
+    result = Swarm(closed).run("x")
+    assert result.status == "error" and "127.0.0.1" in result.error and result.trace.events[-1]["error"] == result.error
+    # as sub-agents, the same failures are tool errors for the orchestrator
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(2)), closed).run("x")
+    assert result.status == "finished" and result.metrics["finish_rate"] == 0.0 and "BackendError" in result.answer
     with pytest.raises(ValueError, match="base_url"):
         OpenAIBackend("localhost:8000", "m")

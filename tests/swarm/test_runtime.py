@@ -141,3 +141,8 @@ def test_bad_arguments_raise_clear_errors():
                 name: n
             """
         Swarm(backend, orchestrator_tools=[create_subagent])
+
+
+def test_scripted_responses_used_up_end_the_episode_in_error():
+    result = Swarm(ScriptedBackend([format_tool_calls([("create_subagent", {"name": "a"})])])).run("t")
+    assert result.status == "error" and "used up" in result.error and result.answer is None

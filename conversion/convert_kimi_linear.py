@@ -12,36 +12,9 @@ directory and renamed at the end: a failed or interrupted run leaves no output a
 compares their logits.
 """
 
-from __future__ import annotations
-
-import argparse
 import sys
 
-import torch
-
-from kimi_hf.conversion import convert_kimi_linear, parse_size, verify_kimi_linear
-
-
-def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", help="checkpoint directory (config.json + safetensors, sharded or not)")
-    p.add_argument("dst", help="output directory (must not exist)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="cast floating tensors (A_log, dt_bias and the router bias stay as they are)")
-    p.add_argument("--max-shard-size", default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--verify", action="store_true", help="compare the logits of SRC and the result")
-    p.add_argument("--verify-layers", type=int, default=2, help="decoder layers to load for --verify (0: all)")
-    p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    summary = convert_kimi_linear(args.src, args.dst, getattr(torch, args.dtype) if args.dtype else None,
-                                  parse_size(args.max_shard_size), show_progress=not args.no_progress)
-    print(f"wrote a {summary['model_type']} checkpoint to {args.dst}: {summary['tensors']} tensors in {summary['shards']} "
-          f"shard(s); peak memory {summary['peak_rss_mb']:.0f} MB (largest tensor {summary['largest_tensor_mb']:.1f} MB)")
-    if args.verify:
-        summary["rel_max_diff"] = verify_kimi_linear(args.src, args.dst, args.verify_layers)
-        print(f"verified: logits agree to {summary['rel_max_diff']:.1e} (relative max difference)")
-    return summary
-
+from kimi_hf.conversion.cli import kimi_linear_main as main
 
 if __name__ == "__main__":
     main()

@@ -16,13 +16,14 @@ import argparse
 import os
 
 import torch
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 
 from kimi_hf import (KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor,
                      KimiHybridProcessor)
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.optim import MuonClip, MuonClipCallback
-from kimi_hf.scenes import counting_examples
+from kimi_hf.plotting import LossHistory
+from kimi_hf.scenes import counting_accuracy, counting_examples
 from kimi_hf.tokenization import train_tokenizer
 
 
@@ -38,37 +39,6 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
     config = KimiHybridConfig(text_config=text, vision_config=vision,
                               image_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
     return KimiHybridForConditionalGeneration(config)
-
-
-@torch.no_grad()
-def accuracy(model, processor, examples, batch: int = 32) -> tuple[float, dict]:
-    """Greedy answers on held-out scenes (left padding, images encoded once per batch)."""
-    model.eval()
-    processor.tokenizer.padding_side = "left"
-    right, per_count = 0, {}
-    for i in range(0, len(examples), batch):
-        chunk = examples[i : i + batch]
-        prompts = [processor.apply_chat_template(ex["messages"][:1], tokenize=False, add_generation_prompt=True) for ex in chunk]
-        inputs = processor(images=[ex["images"][0] for ex in chunk], text=prompts, padding=True)
-        out = model.generate(**inputs, max_new_tokens=2, do_sample=False)
-        answers = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-        for ex, ans in zip(chunk, answers):
-            ok = ans.strip() == ex["answer"]
-            right += ok
-            hit = per_count.setdefault(ex["answer"], [0, 0])
-            hit[0], hit[1] = hit[0] + ok, hit[1] + 1
-    processor.tokenizer.padding_side = "right"
-    return right / len(examples), {k: v[0] / v[1] for k, v in sorted(per_count.items())}
-
-
-class LossHistory(TrainerCallback):
-    def __init__(self):
-        self.steps, self.losses = [], []
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        if logs and "loss" in logs:
-            self.steps.append(state.global_step)
-            self.losses.append(logs["loss"])
 
 
 def plot(path, history, acc_per_count, chance):
@@ -128,7 +98,7 @@ def main(argv=None) -> float:
                       callbacks=[history, MuonClipCallback()])
     trainer.train()
 
-    acc, per_count = accuracy(model, processor, held_out)
+    acc, per_count = counting_accuracy(model, processor, held_out)
     chance = 1 / len(per_count)
     print("\n| circles | held-out accuracy |\n|---|---|")
     for k, v in per_count.items():

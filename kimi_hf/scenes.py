@@ -46,4 +46,37 @@ def counting_examples(n: int, seed: int, size: int = 84, max_count: int = 4, max
     return out
 
 
-__all__ = ["render_scene", "counting_examples", "QUESTION"]
+def ask(model, processor, images, question: str = QUESTION, max_new_tokens: int = 2) -> list[str]:
+    """Greedy answers of a multimodal model to `question` about each image (one batch, left padding)."""
+    import torch
+
+    prompts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
+                                             tokenize=False, add_generation_prompt=True)] * len(images)
+    side = processor.tokenizer.padding_side
+    processor.tokenizer.padding_side = "left"
+    try:
+        inputs = processor(images=list(images), text=prompts, padding=True).to(model.device)
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
+    finally:
+        processor.tokenizer.padding_side = side
+    return [a.strip() for a in processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)]
+
+
+def counting_accuracy(model, processor, examples: list[dict], batch: int = 32) -> tuple[float, dict]:
+    """(accuracy, {count: accuracy}) of greedy answers on counting examples (held-out scenes)."""
+    was_training = model.training
+    model.eval()
+    right, per_count = 0, {}
+    for i in range(0, len(examples), batch):
+        chunk = examples[i : i + batch]
+        for ex, ans in zip(chunk, ask(model, processor, [ex["images"][0] for ex in chunk])):
+            ok = ans == ex["answer"]
+            right += ok
+            hit = per_count.setdefault(ex["answer"], [0, 0])
+            hit[0], hit[1] = hit[0] + ok, hit[1] + 1
+    model.train(was_training)
+    return right / len(examples), {k: v[0] / v[1] for k, v in sorted(per_count.items())}
+
+
+__all__ = ["render_scene", "counting_examples", "counting_accuracy", "ask", "QUESTION"]

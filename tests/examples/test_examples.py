@@ -1,6 +1,7 @@
 """Smoke tests: every example runs on CPU at a small size and checks its own result."""
 
 import importlib.util
+import os
 from pathlib import Path
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -39,3 +40,43 @@ def test_swarm_wide_search(tmp_path, capsys):
     assert swarm["num_subagents"] == 4 and swarm["total_steps"] == 2 + 4 * 3
     assert (tmp_path / "serial.jsonl").exists() and (tmp_path / "swarm.jsonl").exists()
     assert "| swarm | finished |" in capsys.readouterr().out
+
+
+def test_generate_streams_text_and_answers_about_an_image(quickstart_model, tmp_path, capsys):
+    from kimi_hf.scenes import render_scene
+    import random
+
+    image = tmp_path / "scene.png"
+    render_scene(random.Random(0), 84, circles=2).save(image)
+    out = load("generate").main(["--model", quickstart_model, "--max-new-tokens", "6", "--image", str(image)])
+    printed = capsys.readouterr().out
+    assert "> Write some Python." in printed and f"> [{image}]" in printed
+    assert isinstance(out["text"], str) and isinstance(out["answer"], str)
+    assert out["text"] in printed  # streamed
+
+
+def test_push_to_hub_dry_run_and_upload(quickstart_model, tmp_path, monkeypatch):
+    from huggingface_hub import HfApi
+
+    folder = load("push_to_hub").main([quickstart_model, "me/tiny", "--dry-run", str(tmp_path / "up")])
+    files = set(os.listdir(folder))
+    assert {"config.json", "model.safetensors", "modeling_kimi_hybrid.py", "kda.py", "README.md",
+            "processor_config.json", "tokenizer.json", "chat_template.jinja"} <= files
+    uploaded = {}
+
+    class Repo:
+        repo_id = "me/tiny"
+
+    # the Hub is not reachable here: the two network calls record their arguments
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: Repo())
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kw: uploaded.update(
+        repo_id=repo_id, files=set(os.listdir(folder_path))) or "https://huggingface.co/me/tiny/commit/x")
+    load("push_to_hub").main([quickstart_model, "me/tiny"])
+    assert uploaded["repo_id"] == "me/tiny" and uploaded["files"] == files
+
+
+def test_lora_finetune(tmp_path, capsys):
+    res = load("lora_finetune").main(["--steps", "30", "--out", str(tmp_path)])
+    assert res["reload_diff"] < 1e-4 and res["merge_diff"] < 1e-3
+    assert res["adapter_kb"] < 2000
+    assert "| + LoRA (30 steps) |" in capsys.readouterr().out

@@ -1,0 +1,8 @@
+"""`python -m kimi_hf ...` = the `kimi-hf` command."""
+
+import sys
+
+from .cli import main
+
+main()
+sys.exit(0)

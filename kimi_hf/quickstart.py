@@ -1,0 +1,191 @@
+"""`kimi-hf quickstart`: the whole package end to end, on CPU, offline, in a few minutes.
+
+1. data: chunks of the Python standard library's sources (text) and generated scenes with a counting
+   question (images), as chat examples;
+2. a byte-level BPE tokenizer with Kimi's chat / media / tool tokens, trained on that text;
+3. a small early-fusion model: MoonViT-style tower + hybrid decoder (KDA:MLA 3:1, MoE);
+4. training with MuonClip through transformers' Trainer (progress bar; loss curve as PNG);
+5. save_pretrained (model + processor), reload through the Auto classes, check the logits match;
+6. generate text, answer a question about a new image, measure held-out counting accuracy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+SIZES = {  # hidden, layers (3 KDA : 1 MLA), experts, vision hidden, vocabulary
+    "tiny": dict(hidden=64, layers=4, experts=4, vision_hidden=32, vocab=512),
+    "small": dict(hidden=128, layers=4, experts=4, vision_hidden=64, vocab=1024),
+    "base": dict(hidden=256, layers=8, experts=8, vision_hidden=128, vocab=2048),
+}
+TEXT_PROMPT = "Write some Python."
+
+
+@dataclass
+class QuickstartResult:
+    out: str
+    model_dir: str
+    loss_plot: str
+    summary_path: str
+    summary: dict
+
+
+def text_examples(n: int, seed: int, chars: int = 240) -> list[dict]:
+    """n chat examples whose assistant reply is a chunk of a standard-library source file."""
+    from .data import stdlib_source_files
+
+    rng = random.Random(seed)
+    files = stdlib_source_files()
+    out = []
+    while len(out) < n:
+        with open(rng.choice(files), encoding="utf-8", errors="replace") as f:
+            text = f.read()
+        if len(text) < 2 * chars:
+            continue
+        start = text.find("\n", rng.randrange(0, len(text) - chars)) + 1
+        chunk = text[start : start + chars].strip()
+        if chunk:
+            out.append({"messages": [{"role": "user", "content": TEXT_PROMPT}, {"role": "assistant", "content": chunk}],
+                        "images": []})
+    return out
+
+
+def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84, attn_residual: str = "none"):
+    """A KimiHybridForConditionalGeneration of one of SIZES for `tokenizer` (Kimi Linear's 3:1
+    KDA:MLA layout and a dense first layer, then MoE; MoonViT tower with positions for image_size)."""
+    from . import KimiHybridConfig, KimiHybridForConditionalGeneration
+
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    s, side = SIZES[size], image_size // 14 + 1
+    h = s["hidden"]
+    text = dict(vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
+                num_hidden_layers=s["layers"], first_k_dense_replace=1, num_attention_heads=2, kv_lora_rank=h // 4,
+                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=s["experts"], num_experts_per_tok=2,
+                n_shared_experts=1, linear_num_heads=2, linear_head_dim=h // 2, pad_token_id=tokenizer.pad_token_id,
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, attn_residual=attn_residual)
+    vision = dict(hidden_size=s["vision_hidden"], num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=2 * s["vision_hidden"], pos_emb_height=side, pos_emb_width=side)
+    config = KimiHybridConfig(text_config=text, vision_config=vision,
+                              image_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
+    return KimiHybridForConditionalGeneration(config)
+
+
+def _device(device: str) -> str:
+    if device not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available")
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
+def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: int = 300, batch_size: int = 16,
+                   lr: float = 5e-3, device: str = "auto", seed: int = 0, text_examples_n: int = 2000,
+                   image_examples_n: int = 2000, eval_images: int = 64, image_size: int = 84,
+                   progress: bool = True) -> QuickstartResult:
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
+
+    from . import KimiHybridImageProcessor, KimiHybridProcessor
+    from .collators import KimiHybridVisionCollator
+    from .optim import MuonClip, MuonClipCallback
+    from .plotting import LossHistory, save_loss_plot
+    from .scenes import QUESTION, ask, counting_accuracy, counting_examples, render_scene
+    from .tokenization import train_tokenizer
+
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("text_examples_n", text_examples_n),
+                    ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    device = _device(device)
+    t0 = time.time()
+    torch.manual_seed(seed)
+    torch.set_flush_denormal(True)
+    os.makedirs(out, exist_ok=True)
+
+    print(f"[1/6] data: {text_examples_n} text chunks of the standard library, {image_examples_n} generated scenes")
+    texts = text_examples(text_examples_n, seed)
+    scenes = counting_examples(image_examples_n, seed=seed, size=image_size)
+    held_out = counting_examples(eval_images, seed=seed + 10_000, size=image_size)
+    train = texts + scenes
+    random.Random(seed).shuffle(train)
+
+    print(f"[2/6] tokenizer: byte-level BPE, {SIZES[size]['vocab'] if size in SIZES else '?'} tokens, Kimi's special tokens")
+    corpus = [ex["messages"][1]["content"] for ex in texts] + [f"{QUESTION} {ex['answer']}" for ex in scenes[:200]]
+    tokenizer = train_tokenizer(corpus, vocab_size=SIZES[size]["vocab"] if size in SIZES else 1024)
+    processor = KimiHybridProcessor(KimiHybridImageProcessor(), tokenizer)
+
+    model = small_multimodal_model(tokenizer, size, image_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    tc = model.config.text_config
+    print(f"[3/6] model: {n_params / 1e6:.2f}M parameters; decoder {tc.layer_types} "
+          f"({tc.num_experts} experts, top-{tc.num_experts_per_tok}), vision tower {model.config.vision_config.num_hidden_layers} layers")
+
+    print(f"[4/6] training: {steps} steps x {batch_size} examples, MuonClip lr {lr}, Trainer on {device}")
+    history = LossHistory()
+    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=batch_size,
+                             max_steps=steps, learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(20, steps // 10),
+                             logging_steps=max(1, min(10, steps // 20)), report_to=[], remove_unused_columns=False,
+                             save_strategy="no", use_cpu=device == "cpu", dataloader_drop_last=True, seed=seed,
+                             disable_tqdm=not progress)
+    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=KimiHybridVisionCollator(processor),
+                      optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=lr, weight_decay=0.01, qk_clip_tau=100.0)),
+                      callbacks=[history, MuonClipCallback()])
+    trainer.train()
+    loss_plot = save_loss_plot(os.path.join(out, "loss.png"), history.steps, history.losses,
+                               title=f"quickstart training loss ({size}, {steps} steps)")
+
+    model_dir = os.path.join(out, "model")
+    print(f"[5/6] save_pretrained -> {model_dir}; reload with AutoModelForImageTextToText / AutoProcessor")
+    model.save_pretrained(model_dir)
+    processor.save_pretrained(model_dir)
+    reloaded = AutoModelForImageTextToText.from_pretrained(model_dir).to(device).eval()
+    processor = AutoProcessor.from_pretrained(model_dir)
+    model.eval()
+    probe = processor(images=held_out[0]["images"], text=[processor.apply_chat_template(held_out[0]["messages"], tokenize=False)],
+                      return_tensors="pt").to(device)
+    with torch.no_grad():
+        max_diff = (model(**probe).logits - reloaded(**probe).logits).abs().max().item()
+    if max_diff > 1e-4:
+        raise RuntimeError(f"the reloaded model's logits differ from the trained one's by {max_diff:.2e}")
+
+    print("[6/6] generation with the reloaded model")
+    prompt = processor.apply_chat_template([{"role": "user", "content": TEXT_PROMPT}], tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[prompt], return_tensors="pt").to(device)
+    with torch.no_grad():
+        generated = reloaded.generate(**inputs, max_new_tokens=48, do_sample=False, repetition_penalty=1.2)
+    text = processor.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+    image = render_scene(random.Random(seed + 20_000), image_size, circles=3, squares=1)
+    image_path = os.path.join(out, "question.png")
+    image.save(image_path)
+    answer = ask(reloaded, processor, [image])[0]
+    accuracy, per_count = counting_accuracy(reloaded, processor, held_out)
+
+    summary = {
+        "size": size, "parameters": n_params, "steps": steps, "device": device,
+        "first_loss": history.losses[0] if history.losses else None, "last_loss": history.losses[-1] if history.losses else None,
+        "reload_max_logit_diff": max_diff, "generated_text": text, "image_question": QUESTION,
+        "image_true_count": 3, "image_answer": answer, "held_out_counting_accuracy": accuracy,
+        "held_out_per_count": per_count, "chance": 1 / len(per_count), "seconds": round(time.time() - t0, 1),
+    }
+    summary_path = os.path.join(out, "summary.json")
+    with open(summary_path + ".tmp", "w") as f:
+        json.dump(summary, f, indent=2)
+    os.replace(summary_path + ".tmp", summary_path)
+
+    print("\n== quickstart done in {:.0f} s ==".format(summary["seconds"]))
+    print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if history.losses else "no loss logged")
+    print(f"generated for {TEXT_PROMPT!r}:\n    {text[:300]!r}")
+    print(f"{QUESTION} ({image_path}, 3 circles + 1 square): model answers {answer!r}")
+    print(f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f})")
+    print(f"model + processor: {model_dir}\nloss plot:         {loss_plot}\nsummary:           {summary_path}")
+    print(f"load it:  AutoModelForImageTextToText.from_pretrained({model_dir!r}) (trust_remote_code=True without kimi_hf)")
+    return QuickstartResult(out, model_dir, loss_plot, summary_path, summary)
+
+
+__all__ = ["run_quickstart", "small_multimodal_model", "text_examples", "SIZES", "QuickstartResult"]

@@ -5,7 +5,8 @@
 
 Task: name the standard-library module a docstring line comes from (chat format; loss on the
 assistant's reply only). LoRA adapters on the KDA / MLA / MLP projections (kimi_hf.LORA_TARGET_MODULES);
-everything else frozen. Prints trainable parameters, the answer accuracy before / after, saves the
+everything else frozen (a memorisation task: the point is the PEFT mechanics). Prints trainable
+parameters, the answer accuracy on the training lines before / after, saves the
 adapter (a few hundred KB), reloads it with PeftModel.from_pretrained (same logits) and merges it.
 """
 
@@ -106,7 +107,7 @@ def main(argv=None) -> dict:
         reload_diff = (reloaded(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
         merged = reloaded.merge_and_unload()
         merge_diff = (merged(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
-    print(f"\n| | answer accuracy ({len(rows)} docstring lines, {len(MODULES)} modules) |\n|---|---|")
+    print(f"\n| | answer accuracy on the {len(rows)} training lines ({len(MODULES)} modules) |\n|---|---|")
     print(f"| base | {before:.2f} |\n| + LoRA ({args.steps} steps) | {after:.2f} |")
     print(f"\nadapter: {adapter} ({size_kb:.0f} KB); reloaded logits differ by {reload_diff:.1e}, merged by {merge_diff:.1e}")
     return {"before": before, "after": after, "reload_diff": reload_diff, "merge_diff": merge_diff, "adapter_kb": size_kb}

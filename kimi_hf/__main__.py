@@ -4,5 +4,4 @@ import sys
 
 from .cli import main
 
-main()
-sys.exit(0)
+sys.exit(main())

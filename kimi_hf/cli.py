@@ -67,7 +67,8 @@ def _bench(argv):
 COMMANDS = {"quickstart": _quickstart, "convert": _convert, "serve": _serve, "bench": _bench}
 
 
-def main(argv: list[str] | None = None):
+def run(argv: list[str] | None = None):
+    """Runs a command and returns its result (a QuickstartResult, a conversion summary, ...)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__)
@@ -76,6 +77,11 @@ def main(argv: list[str] | None = None):
         return None
     return COMMANDS[argv[0]](argv[1:])
 
+
+def main(argv: list[str] | None = None) -> int:
+    """The console script: exit status 0 on success (errors exit through SystemExit / exceptions)."""
+    run(argv)
+    return 0
 
 if __name__ == "__main__":
     main()

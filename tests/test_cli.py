@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from kimi_hf.cli import main
+from kimi_hf.cli import main, run
 
 SCRIPT = Path(sys.executable).parent / "kimi-hf"
 
 
-def run(*args, timeout=600):
+def shell(*args, timeout=600):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
@@ -22,7 +22,7 @@ def run(*args, timeout=600):
 def test_console_script_and_module_print_usage():
     assert SCRIPT.exists(), "pip install -e . creates the kimi-hf console script"
     for cmd in ([str(SCRIPT), "--help"], [sys.executable, "-m", "kimi_hf", "--help"]):
-        r = run(*cmd)
+        r = shell(*cmd)
         assert r.returncode == 0 and "kimi-hf quickstart" in r.stdout and "kimi-hf convert" in r.stdout
 
 
@@ -30,10 +30,10 @@ def test_subcommand_help_and_errors(capsys):
     for argv in (["convert", "kimi-linear", "--help"], ["convert", "k25-vision", "--help"], ["serve", "--help"],
                  ["quickstart", "--help"]):
         with pytest.raises(SystemExit) as e:
-            main(argv)
+            run(argv)
         assert e.value.code == 0, argv
     assert "--max-shard-size" in capsys.readouterr().out
-    main(["bench", "qk_clip", "--help"])  # runs benchmarks/qk_clip.py in a subprocess: exit 0 returns
+    assert main(["bench", "qk_clip", "--help"]) == 0  # runs benchmarks/qk_clip.py in a subprocess
     with pytest.raises(SystemExit, match="unknown command 'fly'"):
         main(["fly"])
     with pytest.raises(SystemExit, match="usage: kimi-hf convert"):
@@ -44,7 +44,7 @@ def test_subcommand_help_and_errors(capsys):
 
 def test_quickstart_end_to_end_from_the_command_line(tmp_path):
     out = tmp_path / "qs"
-    r = run(sys.executable, "-m", "kimi_hf", "quickstart", "--size", "tiny", "--steps", "3", "--batch-size", "4",
+    r = shell(str(SCRIPT), "quickstart", "--size", "tiny", "--steps", "3", "--batch-size", "4",
             "--text-examples", "16", "--image-examples", "16", "--eval-images", "4", "--out", str(out), "--no-progress")
     assert r.returncode == 0, r.stderr[-3000:]
     for step in ("[1/6]", "[4/6]", "[6/6]", "model + processor:", "loss plot:"):

@@ -102,6 +102,8 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
                     ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     device = _device(device)
     t0 = time.time()
     torch.manual_seed(seed)
@@ -115,9 +117,9 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     train = texts + scenes
     random.Random(seed).shuffle(train)
 
-    print(f"[2/6] tokenizer: byte-level BPE, {SIZES[size]['vocab'] if size in SIZES else '?'} tokens, Kimi's special tokens")
+    print(f"[2/6] tokenizer: byte-level BPE, {SIZES[size]['vocab']} tokens, Kimi's chat / media / tool tokens")
     corpus = [ex["messages"][1]["content"] for ex in texts] + [f"{QUESTION} {ex['answer']}" for ex in scenes[:200]]
-    tokenizer = train_tokenizer(corpus, vocab_size=SIZES[size]["vocab"] if size in SIZES else 1024)
+    tokenizer = train_tokenizer(corpus, vocab_size=SIZES[size]["vocab"])
     processor = KimiHybridProcessor(KimiHybridImageProcessor(), tokenizer)
 
     model = small_multimodal_model(tokenizer, size, image_size)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import importlib
+import json
 import os
 import random
 import sys
@@ -48,8 +49,8 @@ def examples(seed: int) -> list[dict]:
 def load_base(model_dir: str | None, rows):
     if model_dir:
         processor = AutoProcessor.from_pretrained(model_dir)
-        auto = AutoModelForImageTextToText if kimi_hf.KimiHybridConfig.model_type in open(
-            os.path.join(model_dir, "config.json")).read() else AutoModelForCausalLM
+        multimodal = json.load(open(os.path.join(model_dir, "config.json")))["model_type"] == kimi_hf.KimiHybridConfig.model_type
+        auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
         return auto.from_pretrained(model_dir), processor
     tokenizer = train_tokenizer([r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4, vocab_size=400)
     processor = kimi_hf.KimiHybridProcessor(kimi_hf.KimiHybridImageProcessor(), tokenizer)
@@ -62,7 +63,7 @@ def accuracy(model, processor, rows) -> float:
     tok = processor.tokenizer
     tok.padding_side = "left"
     prompts = [processor.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in rows]
-    inputs = processor(text=prompts, padding=True, return_tensors="pt")
+    inputs = processor(text=prompts, padding=True, return_tensors="pt").to(model.device)
     out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=4, do_sample=False)
     answers = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     tok.padding_side = "right"
@@ -99,7 +100,8 @@ def main(argv=None) -> dict:
     adapter = os.path.join(args.out, "adapter")
     model.save_pretrained(adapter)
     size_kb = sum(os.path.getsize(os.path.join(adapter, f)) for f in os.listdir(adapter)) / 1024
-    probe = processor(text=[processor.apply_chat_template(rows[0]["messages"], tokenize=False)], return_tensors="pt")
+    probe = processor(text=[processor.apply_chat_template(rows[0]["messages"], tokenize=False)], return_tensors="pt").to(model.device)
+    pristine.to(model.device)  # Trainer moved the trained model (to CUDA when present)
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=probe["input_ids"]).logits

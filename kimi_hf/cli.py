@@ -72,7 +72,9 @@ def run(argv: list[str] | None = None):
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
         print(__doc__)
-        if argv and argv[0] not in ("-h", "--help"):
+        if not argv:
+            raise SystemExit(2)  # a command is required (usage printed)
+        if argv[0] not in ("-h", "--help"):
             raise SystemExit(f"unknown command {argv[0]!r}; one of: {', '.join(COMMANDS)}")
         return None
     return COMMANDS[argv[0]](argv[1:])

@@ -102,6 +102,9 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
                     ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if text_examples_n + image_examples_n < batch_size:
+        raise ValueError(f"text_examples_n + image_examples_n ({text_examples_n + image_examples_n}) must be at least "
+                         f"batch_size ({batch_size}): the last partial batch is dropped, so no step would run")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     device = _device(device)
@@ -140,7 +143,7 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
                       callbacks=[history, MuonClipCallback()])
     trainer.train()
     loss_plot = save_loss_plot(os.path.join(out, "loss.png"), history.steps, history.losses,
-                               title=f"quickstart training loss ({size}, {steps} steps)")
+                               title=f"quickstart training loss ({size}, {steps} steps)") if history.losses else None
 
     model_dir = os.path.join(out, "model")
     print(f"[5/6] save_pretrained -> {model_dir}; reload with AutoModelForImageTextToText / AutoProcessor")

@@ -31,13 +31,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--log-level", default="warning")
     args = p.parse_args(argv)
-    try:
+    try:  # the serving extra (fastapi, uvicorn, openai) is checked by the import and by Serve() itself
         from transformers.cli.serve import Serve
-    except ImportError as e:  # pragma: no cover - depends on the optional extra
+
+        expose_models_to_transformers_serve()
+        Serve(force_model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+              log_level=args.log_level)
+    except ImportError as e:
         raise SystemExit(f"the server needs transformers' serving extra: pip install 'transformers[serving]' ({e})")
-    expose_models_to_transformers_serve()
-    Serve(force_model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -34,6 +34,9 @@ def test_subcommand_help_and_errors(capsys):
         assert e.value.code == 0, argv
     assert "--max-shard-size" in capsys.readouterr().out
     assert main(["bench", "qk_clip", "--help"]) == 0  # runs benchmarks/qk_clip.py in a subprocess
+    with pytest.raises(SystemExit) as e:
+        main([])
+    assert e.value.code == 2
     with pytest.raises(SystemExit, match="unknown command 'fly'"):
         main(["fly"])
     with pytest.raises(SystemExit, match="usage: kimi-hf convert"):
@@ -61,5 +64,7 @@ def test_quickstart_rejects_bad_arguments():
 
     with pytest.raises(ValueError, match="steps"):
         run_quickstart(steps=0)
+    with pytest.raises(ValueError, match="batch_size"):
+        run_quickstart(batch_size=16, text_examples_n=2, image_examples_n=2)
     with pytest.raises(ValueError, match="size"):
         run_quickstart(size="huge", steps=1, text_examples_n=1, image_examples_n=1, eval_images=1)

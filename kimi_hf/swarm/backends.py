@@ -10,6 +10,7 @@ import json
 import threading
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -106,8 +107,7 @@ class TransformersBackend(Backend):
                                            if t in tokenizer.get_vocab()]
         self.stop_ids = [i for i in dict.fromkeys(stop) if i is not None]
         self.batch_sizes: list[int] = []  # one entry per generate call
-        self._queue: asyncio.Queue | None = None
-        self._worker: asyncio.Task | None = None
+        self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> (queue, worker)
         self._lock = threading.Lock()  # one generate at a time, whichever event loop asks
 
     def render(self, messages, tools=None) -> str:
@@ -115,32 +115,38 @@ class TransformersBackend(Backend):
 
     async def complete(self, messages, tools=None) -> Completion:
         loop = asyncio.get_running_loop()
-        if self._worker is None or self._worker.done() or self._worker.get_loop() is not loop:
-            self._queue = asyncio.Queue()
-            self._worker = loop.create_task(self._serve())
+        queue, worker = self._queues.get(loop, (None, None))
+        if worker is None or worker.done():  # one worker per event loop, restarted if it ever died
+            queue = queue or asyncio.Queue()
+            worker = loop.create_task(self._serve(queue))
+            self._queues[loop] = (queue, worker)
         prompt = self.render(messages, tools)
         future = loop.create_future()
-        await self._queue.put((prompt, tools, future))
+        await queue.put((prompt, tools, future))
         return await future
 
-    async def _serve(self):
+    async def _serve(self, queue: asyncio.Queue):
         while True:
-            batch = [await self._queue.get()]
+            batch = [await queue.get()]
             if self.batch_window:
                 await asyncio.sleep(self.batch_window)
-            while len(batch) < self.max_batch_size and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            while len(batch) < self.max_batch_size and not queue.empty():
+                batch.append(queue.get_nowait())
             try:
                 results = await asyncio.to_thread(self._generate, [p for p, _, _ in batch])
             except Exception as exc:  # every waiting agent sees the failure as its own
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(BackendError(f"generate failed: {exc!r}"))
-                continue
-            for (prompt, tools, fut), (text, n_prompt, n_new) in zip(batch, results):
-                if not fut.done():
+                results = [BackendError(f"generate failed: {exc!r}")] * len(batch)
+            for (prompt, tools, fut), result in zip(batch, results):
+                if fut.done():
+                    continue
+                try:
+                    if isinstance(result, Exception):
+                        raise result
+                    text, n_prompt, n_new = result
                     content, calls = parse_tool_calls(text, self.tokenizer, prefix=prompt, tools=tools)
                     fut.set_result(Completion(content, calls, n_prompt, n_new, text))
+                except Exception as exc:  # a future is always resolved: no agent waits forever
+                    fut.set_exception(exc if isinstance(exc, BackendError) else BackendError(repr(exc)))
 
     def _generate(self, prompts: list[str]) -> list[tuple[str, int, int]]:
         tok = self.tokenizer
@@ -176,7 +182,7 @@ class OpenAIBackend(Backend):
         self.max_tokens, self.temperature, self.timeout = max_tokens, temperature, timeout
         self.max_connections, self.extra_body = max_connections, extra_body
         self.requests = 0
-        self._semaphores: dict = {}
+        self._semaphores: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> semaphore
 
     @staticmethod
     def _wire_message(m: dict) -> dict:
@@ -199,6 +205,8 @@ class OpenAIBackend(Backend):
             raise BackendError(f"{self.url} answered HTTP {e.code}: {e.read()[:300]!r}") from e
         except (urllib.error.URLError, TimeoutError, OSError) as e:
             raise BackendError(f"{self.url}: {e}") from e
+        except json.JSONDecodeError as e:
+            raise BackendError(f"{self.url}: the reply is not JSON: {e}") from e
 
     async def complete(self, messages, tools=None) -> Completion:
         loop = asyncio.get_running_loop()
@@ -216,13 +224,16 @@ class OpenAIBackend(Backend):
             raise BackendError(f"{self.url}: no choices[0].message in the reply: {str(reply)[:300]}") from e
         text = message.get("content") or ""
         calls = []
-        for i, c in enumerate(message.get("tool_calls") or []):
-            args = c["function"].get("arguments") or "{}"
-            try:
-                args = json.loads(args) if isinstance(args, str) else args
-            except json.JSONDecodeError:
-                pass  # the raw string goes back to the agent as an error
-            calls.append(ToolCall(c["function"]["name"], args, c.get("id") or f"call_{i}"))
+        try:
+            for i, c in enumerate(message.get("tool_calls") or []):
+                args = c["function"].get("arguments") or "{}"
+                try:
+                    args = json.loads(args) if isinstance(args, str) else args
+                except json.JSONDecodeError:
+                    pass  # the raw string goes back to the agent as an error
+                calls.append(ToolCall(c["function"]["name"], args, c.get("id") or f"call_{i}"))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise BackendError(f"{self.url}: malformed tool_calls in the reply: {str(message)[:300]}") from e
         content = text
         if not calls:
             content, calls = parse_tool_calls(text)

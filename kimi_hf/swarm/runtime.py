@@ -13,6 +13,7 @@ cannot stop a training run.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, fields
@@ -70,6 +71,19 @@ class _Budget(Exception):
     pass
 
 
+class InnerTimeoutError(RuntimeError):
+    """A TimeoutError raised inside an agent (e.g. by a backend), as opposed to the runtime's own limits."""
+
+
+async def _no_inner_timeouts(coro):
+    """Re-raises TimeoutErrors from inside `coro` as InnerTimeoutError, so that a TimeoutError seen
+    around it is the runtime's own wait_for limit."""
+    try:
+        return await coro
+    except (asyncio.TimeoutError, TimeoutError) as exc:
+        raise InnerTimeoutError(f"TimeoutError: {exc}") from exc
+
+
 @dataclass
 class _Episode:
     trace: Trace
@@ -95,9 +109,9 @@ async def _execute(tool: Tool | None, call: ToolCall) -> str:
         return _not_an_object(call)
     try:
         result = await tool(call.arguments)
+        return result if isinstance(result, str) else json.dumps(result, default=str)
     except Exception as exc:  # the agent sees the error and may recover
         return f"Error: {call.name} raised {type(exc).__name__}: {exc}"
-    return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
 def _tool_message(call: ToolCall, content: str) -> dict:
@@ -111,8 +125,8 @@ async def _step(backend: Backend, messages, schemas, ep: _Episode, *, agent: str
     # call ids must be unique within a conversation (tool results are matched by id): Kimi numbers them
     # functions.NAME:IDX with IDX counting every call so far, whatever the model wrote
     seen = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
-    for i, call in enumerate(completion.tool_calls):
-        call.id = f"functions.{call.name}:{seen + i}"
+    completion = dataclasses.replace(completion, tool_calls=[  # copies: a backend may hand the same object to others
+        dataclasses.replace(c, id=f"functions.{c.name}:{seen + i}") for i, c in enumerate(completion.tool_calls)])
     ep.trace.add(type="step", agent=agent, role=role, stage=stage, run=run, step=step,
                  tool_calls=[c.name for c in completion.tool_calls], prompt_tokens=completion.prompt_tokens,
                  completion_tokens=completion.completion_tokens, start=start, end=ep.now())
@@ -170,7 +184,8 @@ class Swarm:
         forced = [_as_completion(f) for f in forced_orchestrator_outputs]
         answer, status, error = None, "timeout", None
         try:
-            answer, status = await asyncio.wait_for(self._orchestrate(messages, ep, forced), self.config.timeout)
+            answer, status = await asyncio.wait_for(_no_inner_timeouts(self._orchestrate(messages, ep, forced)),
+                                                    self.config.timeout)
         except (asyncio.TimeoutError, TimeoutError):
             pass
         except Exception as exc:  # the orchestrator's own backend failed: an episode that ended in error
@@ -196,16 +211,17 @@ class Swarm:
                 if call.name == "create_subagent":
                     results[i] = self._create(call, agents, ep, stage)
             sub_budget = cfg.max_subagent_steps
-            if cfg.max_critical_steps is not None:
-                sub_budget = min(sub_budget, cfg.max_critical_steps - critical)
+            if cfg.max_critical_steps is not None:  # keep one critical step for the orchestrator's next turn
+                sub_budget = min(sub_budget, cfg.max_critical_steps - critical - 1)
             jobs, steps = {}, []
             for i, call in enumerate(completion.tool_calls):
                 if call.name == "assign_task":
                     jobs[i] = self._assign(call, agents, ep, stage, sub_budget, steps)
                 elif i not in results:
                     results[i] = await _execute(self.orchestrator_tools.get(call.name), call)
-            for i, content in zip(jobs, await asyncio.gather(*jobs.values())):
-                results[i] = content
+            # _assign reports its errors as text; return_exceptions keeps every sibling awaited regardless
+            for i, content in zip(jobs, await asyncio.gather(*jobs.values(), return_exceptions=True)):
+                results[i] = content if isinstance(content, str) else f"Error: assign_task failed: {content!r}"
             critical += max(steps, default=0)
             for i, call in enumerate(completion.tool_calls):
                 messages.append(_tool_message(call, results[i]))
@@ -233,7 +249,7 @@ class Swarm:
             return _not_an_object(call)
         args = call.arguments
         name, task = args.get("agent"), args.get("task")
-        if name not in agents:
+        if not isinstance(name, str) or name not in agents:
             return f"Error: no sub-agent named {name!r} (create it with create_subagent first)"
         if not isinstance(task, str) or not task.strip():
             return "Error: assign_task needs a non-empty string `task`"
@@ -246,9 +262,9 @@ class Swarm:
         async with ep.semaphore:
             start = ep.now()
             try:
-                answer = await asyncio.wait_for(
+                answer = await asyncio.wait_for(_no_inner_timeouts(
                     _agent_loop(self.subagent, messages, self.tools, budget, ep, agent=name, role="subagent",
-                                stage=stage, run=run, progress=progress), self.config.subagent_timeout)
+                                stage=stage, run=run, progress=progress)), self.config.subagent_timeout)
             except _Budget as exc:
                 status, error = "step_budget", str(exc)
             except (asyncio.TimeoutError, TimeoutError):
@@ -285,8 +301,9 @@ async def arun_single_agent(backend: Backend, task: str, tools=(), max_steps: in
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": task}]
     answer, status, error = None, "finished", None
     try:
-        answer = await asyncio.wait_for(_agent_loop(backend, messages, as_tools(tools), max_steps, ep, agent="agent",
-                                                    role="orchestrator", stage=0, run=None, progress=[0]), timeout)
+        answer = await asyncio.wait_for(_no_inner_timeouts(_agent_loop(
+            backend, messages, as_tools(tools), max_steps, ep, agent="agent", role="orchestrator", stage=0, run=None,
+            progress=[0])), timeout)
     except _Budget:
         status = "orchestrator_step_budget"
     except (asyncio.TimeoutError, TimeoutError):

@@ -148,3 +148,19 @@ def test_http_errors_are_backend_errors(served_model):
     assert result.status == "finished" and result.metrics["finish_rate"] == 0.0 and "BackendError" in result.answer
     with pytest.raises(ValueError, match="base_url"):
         OpenAIBackend("localhost:8000", "m")
+
+
+def test_one_transformers_backend_serves_several_event_loops_at_once():
+    """Parallel rollouts (one asyncio.run per thread) share a backend: each loop gets its own worker."""
+    import threading
+
+    model, tok = tiny_chat_model()
+    backend = TransformersBackend(model, tok, max_new_tokens=3)
+    results = []
+    threads = [threading.Thread(target=lambda i=i: results.append(run_single_agent(backend, f"task {i}", max_steps=1, timeout=120)))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(results) == 3 and all(r.status == "finished" for r in results)

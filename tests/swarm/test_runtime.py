@@ -92,12 +92,21 @@ def test_budgets_end_the_episode():
     assert result.status == "orchestrator_step_budget" and result.answer is None
     assert result.metrics["total_steps"] == 3
 
-    # critical budget 6: turn 1 (1) + runs cut at the 5 critical steps that are left; turn 2 (7 > 6) never happens
+    # critical budget 6: turn 1 (1) + runs cut at 4 steps (one step stays reserved for the next turn);
+    # turn 2 (6) has no budget left for its runs (tool errors); a turn 3 would be step 7 > 6
     sub = ScriptedBackend(worker(steps=10))
     result = Swarm(ScriptedBackend(fan_out_orchestrator(2, turns=2)), sub, tools=[lookup], max_critical_steps=6).run("t")
     assert result.status == "critical_budget"
     assert result.metrics["critical_steps"] == 6
-    assert all(e["steps"] == 5 and e["status"] == "step_budget" for e in result.trace.events if e["type"] == "task")
+    tasks = [e for e in result.trace.events if e["type"] == "task"]
+    assert len(tasks) == 2 and all(e["steps"] == 4 and e["status"] == "step_budget" for e in tasks)
+    assert all("critical-step budget is used up" in r for r in tool_results(result.messages)[-2:])
+
+    # a run that fits leaves the orchestrator its closing turn: the answer is not thrown away
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(1)), ScriptedBackend(worker(steps=4)), tools=[lookup],
+                   max_critical_steps=6).run("t")
+    assert result.status == "finished" and result.answer == "done: item 0 turn 0"
+    assert result.metrics["critical_steps"] == 6
 
 
 def test_episode_timeout_cancels_running_subagents():
@@ -146,3 +155,39 @@ def test_bad_arguments_raise_clear_errors():
 def test_scripted_responses_used_up_end_the_episode_in_error():
     result = Swarm(ScriptedBackend([format_tool_calls([("create_subagent", {"name": "a"})])])).run("t")
     assert result.status == "error" and "used up" in result.error and result.answer is None
+
+
+def test_bad_orchestrator_arguments_and_tool_results_are_tool_errors():
+    def weird(x: int):
+        """Returns something json cannot write.
+
+        Args:
+            x: anything
+        """
+        return {(1, 2): x}
+    turns = iter([format_tool_calls([("create_subagent", {"name": "a"}), ("assign_task", {"agent": ["a"], "task": "x"}),
+                                     ("assign_task", {"agent": "a", "task": "item 0"}), ("weird", {"x": 1})]), "end"])
+    sub = ScriptedBackend(worker(steps=1), latency=0.05)
+    result = Swarm(ScriptedBackend(lambda m, t: next(turns)), sub, orchestrator_tools=[weird]).run("t")
+    assert result.status == "finished" and result.answer == "end"
+    errs = tool_results(result.messages)
+    assert "no sub-agent named ['a']" in errs[1] and errs[2] == "done: item 0" and "weird raised TypeError" in errs[3]
+    assert result.trace.events[-1]["type"] == "final"  # nothing still running writes after the end
+
+
+def test_timeout_errors_raised_by_a_backend_are_failures_not_timeouts():
+    def raises_timeout(messages, tools):
+        raise TimeoutError("upstream read timed out")
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(1)), ScriptedBackend(raises_timeout)).run("t")
+    task = next(e for e in result.trace.events if e["type"] == "task")
+    assert task["status"] == "failed" and "upstream read timed out" in task["error"]
+    alone = run_single_agent(ScriptedBackend(raises_timeout), "t")
+    assert alone.status == "error" and "upstream read timed out" in alone.error
+
+
+def test_a_completion_object_shared_between_agents_is_not_mutated():
+    from kimi_hf.swarm import Completion, ToolCall
+    shared = Completion("", [ToolCall("lookup", {"key": "k"}, "original")])
+    backend = ScriptedBackend(lambda m, t: shared if len(m) == 2 else "ok")
+    run_single_agent(backend, "a", tools=[lookup])
+    assert shared.tool_calls[0].id == "original"

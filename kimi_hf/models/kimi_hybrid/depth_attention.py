@@ -12,6 +12,7 @@ weights and the sums are fp32 whatever the sources' dtype.
 from __future__ import annotations
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 def _sources(blocks: torch.Tensor, partial: torch.Tensor | None) -> list[torch.Tensor]:
@@ -41,6 +42,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         return out.to(blocks.dtype)
 
     @staticmethod
+    @once_differentiable  # first-order only (a clear error for double backward)
     def backward(ctx, dout: torch.Tensor):
         w, blocks, partial, alpha, r, dots = ctx.saved_tensors
         d = blocks.shape[-1]

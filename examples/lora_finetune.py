@@ -26,6 +26,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
 import kimi_hf
+from kimi_hf.chat import generate_replies
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.quickstart import small_multimodal_model
 from kimi_hf.tokenization import train_tokenizer
@@ -57,17 +58,10 @@ def load_base(model_dir: str | None, rows):
     return small_multimodal_model(tokenizer, "tiny"), processor
 
 
-@torch.no_grad()
 def accuracy(model, processor, rows) -> float:
     model.eval()
-    tok = processor.tokenizer
-    tok.padding_side = "left"
-    prompts = [processor.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True) for r in rows]
-    inputs = processor(text=prompts, padding=True, return_tensors="pt").to(model.device)
-    out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], max_new_tokens=4, do_sample=False)
-    answers = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-    tok.padding_side = "right"
-    return sum(a.strip() == r["messages"][1]["content"] for a, r in zip(answers, rows)) / len(rows)
+    replies = generate_replies(model, processor, [r["messages"][:1] for r in rows], max_new_tokens=4)
+    return sum(a == r["messages"][1]["content"] for a, r in zip(replies, rows)) / len(rows)
 
 
 def main(argv=None) -> dict:

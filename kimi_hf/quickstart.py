@@ -92,6 +92,7 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     from . import KimiHybridImageProcessor, KimiHybridProcessor
+    from .chat import generate_replies
     from .collators import KimiHybridVisionCollator
     from .optim import MuonClip, MuonClipCallback
     from .plotting import LossHistory, save_loss_plot
@@ -160,11 +161,8 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
         raise RuntimeError(f"the reloaded model's logits differ from the trained one's by {max_diff:.2e}")
 
     print("[6/6] generation with the reloaded model")
-    prompt = processor.apply_chat_template([{"role": "user", "content": TEXT_PROMPT}], tokenize=False, add_generation_prompt=True)
-    inputs = processor(text=[prompt], return_tensors="pt").to(device)
-    with torch.no_grad():
-        generated = reloaded.generate(**inputs, max_new_tokens=48, do_sample=False, repetition_penalty=1.2)
-    text = processor.batch_decode(generated[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0]
+    text = generate_replies(reloaded, processor, [[{"role": "user", "content": TEXT_PROMPT}]], max_new_tokens=48,
+                            repetition_penalty=1.2)[0]
     image = render_scene(random.Random(seed + 20_000), image_size, circles=3, squares=1)
     image_path = os.path.join(out, "question.png")
     image.save(image_path)

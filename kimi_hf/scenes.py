@@ -47,20 +47,11 @@ def counting_examples(n: int, seed: int, size: int = 84, max_count: int = 4, max
 
 
 def ask(model, processor, images, question: str = QUESTION, max_new_tokens: int = 2) -> list[str]:
-    """Greedy answers of a multimodal model to `question` about each image (one batch, left padding)."""
-    import torch
+    """Greedy answers of a multimodal model to `question` about each image (one batch)."""
+    from .chat import generate_replies
 
-    prompts = [processor.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
-                                             tokenize=False, add_generation_prompt=True)] * len(images)
-    side = processor.tokenizer.padding_side
-    processor.tokenizer.padding_side = "left"
-    try:
-        inputs = processor(images=list(images), text=prompts, padding=True).to(model.device)
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    finally:
-        processor.tokenizer.padding_side = side
-    return [a.strip() for a in processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)]
+    question_about_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
+    return generate_replies(model, processor, [question_about_image] * len(images), images, max_new_tokens)
 
 
 def counting_accuracy(model, processor, examples: list[dict], batch: int = 32) -> tuple[float, dict]:

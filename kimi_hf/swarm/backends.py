@@ -32,6 +32,12 @@ class Completion:
     completion_tokens: int = 0
     raw: str = ""
 
+    @classmethod
+    def from_text(cls, text: str, prompt_tokens: int = 0) -> "Completion":
+        """A completion from text with tool-call markup (no tokenizer: completion_tokens counts words)."""
+        content, calls = parse_tool_calls(text)
+        return cls(content, calls, prompt_tokens, len(text.split()), text)
+
     def to_message(self) -> dict:
         message = {"role": "assistant", "content": self.content}
         if self.tool_calls:
@@ -83,9 +89,7 @@ class ScriptedBackend(Backend):
             return out
         if not isinstance(out, str):
             raise BackendError(f"a scripted policy must return a str or Completion, got {type(out).__name__}")
-        content, calls = parse_tool_calls(out)
-        prompt_words = sum(len(str(m.get("content") or "").split()) for m in messages)
-        return Completion(content, calls, prompt_words, len(out.split()), out)
+        return Completion.from_text(out, prompt_tokens=sum(len(str(m.get("content") or "").split()) for m in messages))
 
 
 class TransformersBackend(Backend):
@@ -103,8 +107,7 @@ class TransformersBackend(Backend):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.max_batch_size, self.batch_window = max_new_tokens, max_batch_size, batch_window
         self.generation_kwargs = generation_kwargs
-        stop = [tokenizer.eos_token_id] + [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>",)
-                                           if t in tokenizer.get_vocab()]
+        stop = [tokenizer.eos_token_id, tokenizer.get_vocab().get("<|im_end|>")]  # the chat turn's end stops too
         self.stop_ids = [i for i in dict.fromkeys(stop) if i is not None]
         self.batch_sizes: list[int] = []  # one entry per generate call
         self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> (queue, worker)

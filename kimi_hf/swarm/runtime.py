@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from .backends import Backend, Completion
-from .tools import ORCHESTRATOR_TOOLS, Tool, ToolCall, as_tools, parse_tool_calls
+from .tools import ORCHESTRATOR_TOOLS, Tool, ToolCall, as_tools
 from .trace import Trace, swarm_metrics
 
 ORCHESTRATOR_PROMPT = (
@@ -105,8 +105,8 @@ async def _execute(tool: Tool | None, call: ToolCall) -> str:
     """A tool call -> the tool message content; every error is returned as text, not raised."""
     if tool is None:
         return f"Error: unknown tool {call.name!r}"
-    if _not_an_object(call):
-        return _not_an_object(call)
+    if error := _not_an_object(call):
+        return error
     try:
         result = await tool(call.arguments)
         return result if isinstance(result, str) else json.dumps(result, default=str)
@@ -228,8 +228,8 @@ class Swarm:
         return None, "orchestrator_step_budget"
 
     def _create(self, call: ToolCall, agents: dict, ep: _Episode, stage: int) -> str:
-        if _not_an_object(call):
-            return _not_an_object(call)
+        if error := _not_an_object(call):
+            return error
         args = call.arguments
         name, prompt = args.get("name"), args.get("system_prompt") or self.config.subagent_prompt
         if not isinstance(name, str) or not name.strip():
@@ -245,8 +245,8 @@ class Swarm:
         return f"Created sub-agent {name!r}."
 
     async def _assign(self, call: ToolCall, agents: dict, ep: _Episode, stage: int, budget: int, steps: list) -> str:
-        if _not_an_object(call):
-            return _not_an_object(call)
+        if error := _not_an_object(call):
+            return error
         args = call.arguments
         name, task = args.get("agent"), args.get("task")
         if not isinstance(name, str) or name not in agents:
@@ -285,8 +285,7 @@ def _as_completion(output: Any) -> Completion:
     if isinstance(output, Completion):
         return output
     if isinstance(output, str):
-        content, calls = parse_tool_calls(output)
-        return Completion(content, calls, 0, len(output.split()), output)
+        return Completion.from_text(output)
     raise TypeError(f"forced_orchestrator_outputs must hold strings or Completions, got {type(output).__name__}")
 
 

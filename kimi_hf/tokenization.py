@@ -33,8 +33,10 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024) -> PreTrainedT
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
+    # pads on the left: generation continues each row's right edge (pipelines batch with the saved side)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD,
-                                   additional_special_tokens=CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS)
+                                   additional_special_tokens=CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS,
+                                   padding_side="left")
     fast.chat_template = CHAT_TEMPLATE
     fast.response_template = RESPONSE_TEMPLATE
     return fast

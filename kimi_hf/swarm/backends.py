@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..chat import chat_stop_token_ids
 from .tools import ToolCall, parse_tool_calls
 
 
@@ -107,8 +108,7 @@ class TransformersBackend(Backend):
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.max_batch_size, self.batch_window = max_new_tokens, max_batch_size, batch_window
         self.generation_kwargs = generation_kwargs
-        stop = [tokenizer.eos_token_id, tokenizer.get_vocab().get("<|im_end|>")]  # the chat turn's end stops too
-        self.stop_ids = [i for i in dict.fromkeys(stop) if i is not None]
+        self.stop_ids = chat_stop_token_ids(tokenizer)  # the chat turn's end stops too
         self.batch_sizes: list[int] = []  # one entry per generate call
         self._queues: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> (queue, worker)
         self._lock = threading.Lock()  # one generate at a time, whichever event loop asks

@@ -171,6 +171,14 @@ class KimiHybridTextConfig(PreTrainedConfig):
         if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
             raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
                              f"({self.topk_group}) groups")
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the defaults are ids of Kimi's 163840 tokens
+            value = getattr(self, name)
+            ids = value if isinstance(value, list) else [value]
+            if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
+                   for i in ids):
+                default = " (the default, an id of Kimi's tokenizer)" if value == type(self).__dataclass_fields__[name].default else ""
+                raise ValueError(f"{name} = {value!r}{default} is not a token id of the vocabulary (vocab_size "
+                                 f"{self.vocab_size}): pass your tokenizer's {name}, or None")
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.attn_residual not in ATTN_RESIDUALS:

@@ -127,6 +127,17 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None 
     return F.silu(y)
 
 
+class KimiHybridShortConv(nn.Conv1d):
+    """KDA's depthwise causal convolution (weight [D, 1, W], Conv1d's layout and state-dict name) run by
+    `short_conv`: called as a module, so that accelerate's offload hooks load its weight first."""
+
+    def __init__(self, dim: int, kernel_size: int):
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
+
+    def forward(self, x: torch.Tensor, left: torch.Tensor | None = None, pos_in_doc: torch.Tensor | None = None):
+        return short_conv(x, self.weight, left, pos_in_doc)
+
+
 class KimiDeltaAttention(nn.Module):
     """Kimi Delta Attention layer (SPEC 1.2):
         q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
@@ -145,8 +156,7 @@ class KimiDeltaAttention(nn.Module):
         self.q_proj = nn.Linear(hidden, dim, bias=False)
         self.k_proj = nn.Linear(hidden, dim, bias=False)
         self.v_proj = nn.Linear(hidden, dim, bias=False)
-        conv = lambda: nn.Conv1d(dim, dim, self.conv_size, groups=dim, bias=False)  # noqa: E731
-        self.q_conv1d, self.k_conv1d, self.v_conv1d = conv(), conv(), conv()
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (KimiHybridShortConv(dim, self.conv_size) for _ in range(3))
         self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, dim, bias=False)
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
@@ -165,7 +175,7 @@ class KimiDeltaAttention(nn.Module):
         left = (None,) * 3 if prev is None else prev.transpose(1, 2).chunk(3, -1)
         pos = packed.pos_in_doc if packed is not None else None
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
-        out = [short_conv(m, conv.weight, l, pos) for m, l, conv in zip(mixed.chunk(3, -1), left, convs)]
+        out = [conv(m, l, pos) for m, l, conv in zip(mixed.chunk(3, -1), left, convs)]
         if caching:
             cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_size - 1)
         return out
@@ -345,8 +355,10 @@ class KimiHybridMLA(nn.Module):
         k_rope = k_rope.view(B, 1, T, self.qk_rope_head_dim)
         if past_key_values is not None:  # the cache stores the compressed latent, not per-head keys
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
+            # absorbed decoding reads kv_b_proj's weight directly: not for a LoRA-wrapped kv_b_proj, nor under
+            # accelerate's offload hooks (they load a weight only when its module is called)
             if T <= _ABSORBED_MAX_TOKENS < latent.shape[2] and type(self.kv_b_proj) is nn.Linear \
-                    and not kwargs.get("output_attentions"):
+                    and not hasattr(self.kv_b_proj, "_hf_hook") and not kwargs.get("output_attentions"):
                 return self.o_proj(self.absorbed_attention(query, latent, k_rope, attention_mask).reshape(B, T, -1)), None
         key, value = self.expand_latent(latent, k_rope)
         impl = self.config._attn_implementation
@@ -430,6 +442,8 @@ class KimiHybridExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> [N, hidden]."""
+        if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
+            return self._dense_forward(x, indices, weights)
         k = indices.shape[1]
         flat = indices.flatten()
         order = flat.argsort(stable=True)
@@ -443,6 +457,17 @@ class KimiHybridExperts(nn.Module):
                 outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
         y = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _dense_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the [N, E] routing matrix (zero where not chosen): static
+        shapes, E times the routed compute."""
+        routing = torch.zeros(x.shape[0], self.num_experts, device=x.device, dtype=weights.dtype)
+        routing = routing.scatter_add(1, indices, weights).to(x.dtype)
+        y = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = y + routing[:, e, None] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
+        return y
 
 
 class KimiHybridMoE(nn.Module):
@@ -462,6 +487,20 @@ class KimiHybridMoE(nn.Module):
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 
+class KimiHybridDepthKeyNorm(nn.Module):
+    """The keys' RMSNorm of depth attention, folded into the query: q . (g * x / rms(x)) = ((g * q) . x) / rms(x),
+    so it returns g * q [d] (fp32); the division by rms(x) happens in `depth_attention`. A module call (not a
+    read of `.weight`), so that accelerate's offload hooks load g first."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, query: torch.Tensor) -> torch.Tensor:
+        return self.weight.float() * query.float()
+
+
 class KimiHybridDepthAttention(nn.Module):
     """Attention Residuals (SPEC 4): a sublayer's input is softmax attention over depth,
     x = sum_i softmax_i(q . RMSNorm(v_i)) v_i over the sources: the completed blocks [n, B, T, d]
@@ -472,10 +511,10 @@ class KimiHybridDepthAttention(nn.Module):
     def __init__(self, hidden_size: int, eps: float):
         super().__init__()
         self.query = nn.Parameter(torch.zeros(hidden_size))
-        self.key_norm = KimiHybridRMSNorm(hidden_size, eps=eps)
+        self.key_norm = KimiHybridDepthKeyNorm(hidden_size, eps=eps)
 
     def _w(self) -> torch.Tensor:
-        return self.key_norm.weight.float() * self.query.float()  # q . (g * x / rms(x)) = ((g * q) . x) / rms(x)
+        return self.key_norm(self.query)
 
     def weights(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
         """[n (+ 1), B, T] fp32 weights over the blocks (and the partial sum, last)."""
@@ -568,7 +607,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         elif isinstance(module, KimiHybridRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
-        elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm)):
+        elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm, KimiHybridDepthKeyNorm)):
             init.ones_(module.weight)
         elif isinstance(module, KimiHybridDepthAttention):  # uniform depth weights at the start
             init.zeros_(module.query)
@@ -600,18 +639,22 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         if use_cache and past_key_values is None:
             past_key_values = KimiHybridCache(config=self.config)
         past_seen = _cached_length(past_key_values)
+        # Packed documents (position_ids restart, no padding mask, nothing cached yet): KDA runs them
+        # as varlen sequences, and the MLA mask is built per document. Only given position_ids can restart
+        # (the check reads their values: not for our own positions, which also keeps export traceable).
+        packed = None
         if position_ids is None:
             position_ids = (torch.arange(T, device=inputs_embeds.device) + past_seen).unsqueeze(0)
-
-        # Packed documents (position_ids restart, no padding mask, nothing cached yet): KDA runs them
-        # as varlen sequences, and the MLA mask is built per document.
-        packed = None
-        if attention_mask is None and past_seen == 0:
+        elif attention_mask is None and past_seen == 0:
             packed = PackedSequences.from_position_ids(position_ids, B)
         # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
         mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
-        masks = {"full_attention": create_causal_mask(*mask_args, position_ids=position_ids),
-                 "linear_attention": create_recurrent_attention_mask(*mask_args)}
+        present = set(self.config.layer_types)  # the causal mask needs attention layers in the cache (none if all-KDA)
+        masks = {}
+        if "full_attention" in present:
+            masks["full_attention"] = create_causal_mask(*mask_args, position_ids=position_ids)
+        if "linear_attention" in present:
+            masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
 
         hidden_states = inputs_embeds
         if self.config.attn_residual_blocks() is None:

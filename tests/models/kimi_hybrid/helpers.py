@@ -43,8 +43,9 @@ def tiny_processor():
 
 def tiny_multimodal_config(**text_overrides):
     from kimi_hf import KimiHybridConfig
+    from kimi_hf.chat import chat_stop_token_ids
 
     tok = tiny_tokenizer()
-    text = dict(TINY, vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, **text_overrides)
+    text = {**TINY, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
+            "eos_token_id": chat_stop_token_ids(tok), **text_overrides}
     return KimiHybridConfig(text_config=text, vision_config=TINY_VISION, image_token_id=tok.convert_tokens_to_ids("<|media_pad|>"))

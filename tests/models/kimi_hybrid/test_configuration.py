@@ -65,6 +65,9 @@ def test_save_load_and_auto_config(tmp_path):
         (dict(n_group=2, topk_group=3), "topk_group"),
         (dict(num_key_value_heads=1), "num_key_value_heads"),
         (dict(mla_use_nope=False), "mla_use_nope"),
+        (dict(pad_token_id=97), "pad_token_id"),
+        (dict(bos_token_id=-1), "bos_token_id"),
+        (dict(eos_token_id=[2, 200]), "eos_token_id"),
         (dict(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [9]}, layer_types=None), "linear_attn_config"),
     ],
 )
@@ -75,3 +78,12 @@ def test_invalid_configs_name_the_field(overrides, field):
 
 def test_layer_pattern_helper():
     assert kimi_linear_layer_types(6) == ["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"]
+
+
+def test_small_vocabulary_with_kimi_default_token_ids_raises_a_value_error():
+    """Issue: KimiHybridTextConfig(vocab_size=512, ...) kept Kimi's ids (163839, ...) and nn.Embedding asserted."""
+    with pytest.raises(ValueError, match=r"pad_token_id = 163839 \(the default.*vocab_size 512"):
+        KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4)
+    cfg = KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, pad_token_id=None,
+                               bos_token_id=1, eos_token_id=[2, 3])
+    assert cfg.pad_token_id is None and cfg.eos_token_id == [2, 3]

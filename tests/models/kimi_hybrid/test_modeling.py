@@ -253,3 +253,50 @@ def test_forward_backward_under_cpu_bf16_autocast():
     loss.backward()
     assert torch.isfinite(loss) and abs(loss.item() - reference.item()) < 0.05 * reference.item()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("mixer", ["linear_attention", "full_attention"])
+def test_models_of_one_layer_type_forward_train_and_generate(mixer):
+    """Issue: an all-KDA model was accepted but a plain forward failed (`get_seq_length can only be called on
+    Attention layers`); any mix of layer types must work, all-KDA and all-MLA included."""
+    model = make_model(layer_types=[mixer] * 4)
+    x = ids(2, 9, seed=5)
+    model.train()
+    model(x, labels=x).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    model.eval()
+    with torch.no_grad():
+        full = model(x, use_cache=False).logits
+        assert torch.allclose(model(x).logits, full, atol=1e-6)
+        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        seq = x
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(gen, seq)
+
+
+@pytest.mark.parametrize("attn_residual", ["none", "block"])
+def test_disk_offload_forward_and_generate_match(tmp_path, attn_residual):
+    """Issue: with accelerate's disk offload, KDA read `q_conv1d.weight` and absorbed MLA decoding read
+    `kv_b_proj.weight` without calling those modules, so their offload hooks never loaded them ("Tensor on
+    device meta"). A 21-token prompt makes decoding take the absorbed path (more than 16 cached tokens)."""
+    model = make_model(attn_residual=attn_residual)
+    model.save_pretrained(tmp_path / "m")
+    x = ids(1, 21, seed=6)
+    offloaded = KimiHybridForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", max_memory={"cpu": "60KB"},
+                                                      offload_folder=str(tmp_path / "offload")).eval()
+    assert {"cpu", "disk"} <= set(offloaded.hf_device_map.values()), offloaded.hf_device_map
+    assert any(p.device.type == "meta" for p in offloaded.parameters())  # really offloaded
+    with torch.no_grad():
+        assert torch.allclose(offloaded(x).logits, model(x).logits, atol=1e-5)
+        kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None)
+        assert torch.equal(offloaded.generate(x, **kwargs), model.generate(x, **kwargs))
+
+
+def test_torch_export_of_a_forward():
+    """Issue: torch.export failed on data-dependent checks (KDA input validation, the MoE's bincount().tolist())."""
+    model = make_model()
+    x = ids(2, 9, seed=7)
+    exported = torch.export.export(model, (x,), kwargs={"use_cache": False})
+    with torch.no_grad():
+        assert torch.allclose(exported.module()(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-5)

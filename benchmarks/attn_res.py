@@ -7,12 +7,12 @@ queries / unit key norms), same data order, same optimizer and schedule.
 
 Prints validation loss during training, the per-depth RMS of each sublayer's input (the hidden state
 a sublayer reads), per-layer gradient norms, the median time per step (overhead), and writes the
-learned depth-attention weights as a heatmap (plus the RMS curves) to <out>/attn_res.png.
+learned depth-attention weights as a heatmap (plus the RMS curves) to <out>/attn_res.png. The step
+times print the spread of their repeats; a WARNING line says when it is too large to trust the overhead.
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import statistics
@@ -25,7 +25,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import save_plot  # noqa: E402
+from common import Timing, argument_parser, save_plot, spread_cell, spread_warning, warn  # noqa: E402
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridDepthAttention  # noqa: E402
@@ -79,8 +79,8 @@ def layer_grad_norms(model, x) -> list[float]:
     return norms
 
 
-def interleaved_step_times(models: dict, x, rounds: int) -> dict:
-    """Median forward+backward time per model, alternating the models every round so that machine
+def interleaved_step_times(models: dict, x, rounds: int) -> dict[str, Timing]:
+    """Forward+backward times per model, alternating the models every round so that machine
     drift (frequency, other load) hits both alike."""
     times = {k: [] for k in models}
     for _ in range(rounds):
@@ -89,7 +89,7 @@ def interleaved_step_times(models: dict, x, rounds: int) -> dict:
             m(x, labels=x, use_cache=False).loss.backward()
             times[k].append(time.perf_counter() - t0)
             m.zero_grad()
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: Timing(tuple(v)) for k, v in times.items()}
 
 
 def train(model, corpus, args, label):
@@ -116,11 +116,11 @@ def train(model, corpus, args, label):
             model.train()
             curve.append((step, v))
             print(f"{label:9s} step {step:4d} train {loss.item():.4f} val {v:.4f}", flush=True)
-    return curve, statistics.median(times[len(times) // 5:])
+    return curve, Timing(tuple(times[len(times) // 5:]))  # the first steps warm up
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--block-size", type=int, default=4, help="sublayers per block")
@@ -152,10 +152,17 @@ def main(argv=None):
     n_blocks = -(-2 * args.layers // args.block_size)
     print(f"\n# {args.layers} layers ({2 * args.layers} sublayers), hidden {args.hidden}, blocks of {args.block_size} "
           f"sublayers ({n_blocks} blocks), {args.steps} steps, batch {args.batch} x {args.seq} bytes")
-    print("\n| | final val loss | s/step in training | fwd+bwd s, interleaved | overhead (interleaved) |\n|---|---|---|---|---|")
-    print(f"| baseline | {b['curve'][-1][1]:.4f} | {b['step']:.3f} | {steps['baseline']:.3f} | |")
-    print(f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step']:.3f} | {steps['attn_res']:.3f} | "
-          f"{100 * (steps['attn_res'] / steps['baseline'] - 1):+.1f}% |")
+    print("\n| | final val loss | s/step in training | fwd+bwd s, interleaved | spread | overhead (interleaved) |\n"
+          "|---|---|---|---|---|---|")
+    overhead = steps["attn_res"].median / steps["baseline"].median - 1
+    print(f"| baseline | {b['curve'][-1][1]:.4f} | {b['step'].median:.3f} | {steps['baseline'].median:.3f} "
+          f"| {spread_cell(b['step'], steps['baseline'])} | |")
+    print(f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step'].median:.3f} | {steps['attn_res'].median:.3f} "
+          f"| {spread_cell(a['step'], steps['attn_res'])} | {100 * overhead:+.1f}% |")
+    print("(spread: interquartile range / median of the steps, the worst of the row; '!': too noisy to compare)")
+    warn(spread_warning({"baseline training steps": b["step"], "AttnRes training steps": a["step"],
+                         "baseline interleaved": steps["baseline"], "AttnRes interleaved": steps["attn_res"]},
+                        "step times"))
     print("\n| sublayer | input RMS baseline | input RMS AttnRes |\n|---|---|---|")
     for s, (rb, ra) in enumerate(zip(b["rms"], a["rms"])):
         print(f"| {s} ({'attn' if s % 2 == 0 else 'mlp'}) | {rb:.3f} | {ra:.3f} |")

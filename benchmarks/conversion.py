@@ -11,7 +11,6 @@ of a process that only imports kimi_hf (the floor).
 
 from __future__ import annotations
 
-import argparse
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import argument_parser  # noqa: E402
 from kimi_hf.conversion.checkpoint import ShardedWriter, parse_size  # noqa: E402
 from kimi_hf.conversion.kimi_linear import _groups, expected_shapes, ours_to_native  # noqa: E402
 
@@ -56,7 +56,7 @@ def peak_of(cmd: list[str]) -> float:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=16)

@@ -2,18 +2,17 @@
 kimi_linear torch fallbacks (chunk_kimi_delta_attention and the token loop recurrent_kimi_delta_attention).
 
     python benchmarks/kda.py                 # T in 512 ... 8192, B=1, H=4, K=V=64
-    python benchmarks/kda.py --quick         # T in 512, 1024, 2048, fewer repeats
+    python benchmarks/kda.py --quick         # T in 256, 512, 1024, no memory column: about a minute
     python benchmarks/kda.py --cuda [...]    # the CUDA section: Triton kernels vs fla (kda_cuda.py)
 
-Prints one table per mode (forward, forward+backward): median time, peak memory (extra RSS of a
-fresh process running the call once) and our speed-up over each peer, then the scaling check
-time(8192) / time(2048). Nothing else should run on the machine meanwhile: timings on shared
-machines swing widely.
+Prints one table per mode (forward, forward+backward): median time, the spread of the repeats, peak
+memory (extra RSS of a fresh process running the call once) and our speed-up over each peer, then the
+scaling check time(8192) / time(2048). Nothing else should run on the machine meanwhile: timings on
+shared machines swing widely, and a WARNING line says when they did.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -26,7 +25,16 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import timed  # noqa: E402
+from common import (  # noqa: E402
+    NOT_RUN,
+    argument_parser,
+    ratio_range,
+    scaling_warning,
+    spread_cell,
+    spread_warning,
+    timed,
+    warn,
+)
 
 IMPLS = ("ours", "hf_chunk", "hf_loop")
 
@@ -101,52 +109,69 @@ def main(argv=None):
         import kda_cuda
 
         return kda_cuda.main([a for a in argv if a != "--cuda"])
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
-    p.add_argument("--H", type=int, default=4)
-    p.add_argument("--K", type=int, default=64)
-    p.add_argument("--V", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true", help="T in 512, 1024, 2048 and 3 repeats")
+    p = argument_parser(__doc__)
+    p.add_argument("--T", type=int, nargs="+", default=[512, 1024, 2048, 4096, 8192], help="sequence lengths")
+    p.add_argument("--H", type=int, default=4, help="heads")
+    p.add_argument("--K", type=int, default=64, help="key head dim")
+    p.add_argument("--V", type=int, default=64, help="value head dim")
+    p.add_argument("--repeats", type=int, default=5, help="timed calls of ours (peers: at most 3) after a warm-up")
+    p.add_argument("--budget", type=float, default=None,
+                   help="seconds of repeats per cell after which to stop (keeping at least 3 repeats)")
+    p.add_argument("--quick", action="store_true",
+                   help="T in 256, 512, 1024, 5 repeats for all, a 3 s budget per cell, no memory: about a minute")
+    p.add_argument("--cuda", action="store_true", help="the CUDA section instead (kda_cuda.py; --help there)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--max-T-hf-chunk", type=int, default=4096, help="largest T for the slow chunked fallback")
     p.add_argument("--max-T-peer-backward", type=int, default=4096,
                    help="largest T for the peers' forward+backward (the token loop's autograd takes minutes at 8192)")
     args = p.parse_args(argv)
+    peer_repeats = max(1, min(3, args.repeats))
     if args.quick:
-        args.T, args.repeats = [512, 1024, 2048], 3
+        # the peers dominate the run time (~linear in T); one fresh process per memory cell costs seconds of imports
+        args.T, args.repeats, peer_repeats, args.no_memory = [256, 512, 1024], 5, 5, True
+        args.budget = args.budget or 3.0
     torch.set_flush_denormal(True)
     print(f"# KDA on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"B=1 H={args.H} K={args.K} V={args.V}, fp32, median of {args.repeats}")
-    ours_times = {}
+          f"B=1 H={args.H} K={args.K} V={args.V}, fp32, median of {args.repeats} (peers {peer_repeats})"
+          f"{'; no memory column (--quick)' if args.quick else ''}")
+    print("# spread: interquartile range / median of a cell's repeats, the worst of the row ('!': too noisy)")
+    ours_times, all_times = {}, {}
     for backward in (False, True):
         mode = "forward+backward" if backward else "forward"
         print(f"\n## {mode}")
-        print("| T | ours ms | hf chunk ms | hf loop ms | ours MB | hf chunk MB | hf loop MB | vs hf chunk | vs hf loop |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| T | ours ms | hf chunk ms | hf loop ms | spread | ours MB | hf chunk MB | hf loop MB | vs hf chunk "
+              "| vs hf loop |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        mode_times = {}
         for T in args.T:
             res = {}
             for impl in IMPLS:
                 if (impl == "hf_chunk" and T > args.max_T_hf_chunk) or (
                         impl != "ours" and backward and T > args.max_T_peer_backward):
-                    res[impl] = (float("nan"), float("nan"))
+                    res[impl] = (NOT_RUN, float("nan"))
                     continue
                 xs = make_inputs(T, args.H, args.K, args.V, requires_grad=backward)
-                reps = args.repeats if impl == "ours" else max(1, min(3, args.repeats))
                 fn = runner(impl)
-                t = timed(lambda: call(fn, xs, backward), reps)
+                t = timed(lambda: call(fn, xs, backward), args.repeats if impl == "ours" else peer_repeats,
+                          budget_s=args.budget)
                 mem = float("nan") if args.no_memory else peak_memory_mb(impl, T, args.H, args.K, args.V, backward)
                 res[impl] = (t, mem)
+                mode_times[f"T={T} {impl}"] = t
             ours_times[(backward, T)] = res["ours"][0]
             (to, mo), (tc, mc), (tl, ml) = (res[i] for i in IMPLS)
-            print(f"| {T} | {to * 1e3:.1f} | {tc * 1e3:.1f} | {tl * 1e3:.1f} | {mo:.0f} | {mc:.0f} | {ml:.0f} "
-                  f"| {tc / to:.1f}x | {tl / to:.1f}x |", flush=True)
+            print(f"| {T} | {to.ms:.1f} | {tc.ms:.1f} | {tl.ms:.1f} | {spread_cell(to, tc, tl)} | {mo:.0f} | {mc:.0f} "
+                  f"| {ml:.0f} | {tc.median / to.median:.1f}x | {tl.median / to.median:.1f}x |", flush=True)
+        warn(spread_warning(mode_times, f"{mode} timings"))
+        all_times.update({f"{k} ({'fwd+bwd' if backward else 'fwd'})": v for k, v in mode_times.items()})
     lo, hi = (2048, 8192) if {2048, 8192} <= set(args.T) else (min(args.T), max(args.T))
     if hi > lo:
         for backward in (False, True):
-            ratio = ours_times[(backward, hi)] / ours_times[(backward, lo)]
-            print(f"\nscaling ({'fwd+bwd' if backward else 'fwd'}): time({hi}) / time({lo}) = {ratio:.2f} "
-                  f"(linear: {hi / lo:.0f})")
+            label = "fwd+bwd" if backward else "fwd"
+            ratio, low, high = ratio_range(ours_times[(backward, hi)], ours_times[(backward, lo)])
+            print(f"\nscaling ({label}): time({hi}) / time({lo}) = {ratio:.2f} (the repeats allow {low:.2f} to "
+                  f"{high:.2f}; linear: {hi / lo:.0f})")
+            warn(scaling_warning(f"scaling ({label})", ours_times[(backward, lo)], ours_times[(backward, hi)], lo, hi))
+    return all_times
 
 
 if __name__ == "__main__":

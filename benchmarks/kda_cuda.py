@@ -7,7 +7,8 @@ same process.
 
 1. correctness: ours and fla against the fp32 token-loop reference (kimi_hf.ops, backend="reference")
    on packed sequences with an initial state, in fp32 and bf16: output, final state, every gradient;
-2. chunked forward and forward+backward: median time (triton.testing.do_bench) and peak memory,
+2. chunked forward and forward+backward: median time (triton.testing.do_bench; the spread of its
+   repeats, with a WARNING line when it is too large to trust the ratio) and peak memory,
    bf16 inputs, fp32 gates and state, q/k L2 norm in the kernel, for both the plain call and the
    fused gate (g = -exp(A_log) softplus(f + dt_bias), sigmoid(beta) inside);
 3. decode: one token with a state in and out, ours (recurrent_kda) vs fla's fused_recurrent_kda.
@@ -16,16 +17,15 @@ fla's chunk kernels need a GPU driver; under --smoke its columns read n/a.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import NOT_RUN, Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf.ops import chunk_kda, recurrent_kda  # noqa: E402
 
 
@@ -112,15 +112,13 @@ def correctness(device, smoke):
     return rows
 
 
-def bench(fn, device):
+def bench(fn, device) -> Timing:
     if device == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=100)  # median ms
-    fn()
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+        times_ms = triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="all")  # ~100 ms of CUDA-event repeats
+        return Timing(tuple(t / 1e3 for t in times_ms))
+    return timed(fn, 2)  # --smoke: the interpreter is slow; two repeats still give a spread
 
 
 def peak_mb(fn, device):
@@ -140,8 +138,9 @@ def speed(args, device):
     for fused in (False, True):
         print(f"\n## chunked KDA, {'fused gate + sigmoid(beta) + l2norm' if fused else 'precomputed gate, l2norm in kernel'}: "
               f"B=1 H={args.H} K=V={args.D}, {args.dtype}")
-        print("| T | mode | ours ms | fla ms | ours / fla time | ours MB | fla MB |")
-        print("|---|---|---|---|---|---|---|")
+        print("| T | mode | ours ms | fla ms | spread | ours / fla time | ours MB | fla MB |")
+        print("|---|---|---|---|---|---|---|---|")
+        times = {}
         for T in args.T:
             for backward in (False, True):
                 xs = inputs(1, T, args.H, args.D, args.D, getattr(torch, args.dtype), device, fused=fused, requires_grad=backward)
@@ -164,10 +163,14 @@ def speed(args, device):
                         print(f"<!-- {name} failed at T={T}: {type(e).__name__}: {str(e)[:120]} -->")
                     for x in xs + list(gp or ()):
                         x.grad = None
-                (to, mo), (tf, mf) = res.get("ours", (float("nan"),) * 2), res.get("fla", (float("nan"),) * 2)
+                (to, mo), (tf, mf) = (res.get(name, (NOT_RUN, float("nan"))) for name in ("ours", "fla"))
                 mode = "fwd+bwd" if backward else "fwd"
-                print(f"| {T} | {mode} | {to:.2f} | {tf:.2f} | {to / tf:.2f} | {mo:.0f} | {mf:.0f} |", flush=True)
-                rows.append(dict(T=T, mode=mode, fused=fused, ours_ms=to, fla_ms=tf, ours_mb=mo, fla_mb=mf))
+                times.update({f"T={T} {mode} ours": to, f"T={T} {mode} fla": tf})
+                print(f"| {T} | {mode} | {to.ms:.2f} | {tf.ms:.2f} | {spread_cell(to, tf)} "
+                      f"| {to.median / tf.median:.2f} | {mo:.0f} | {mf:.0f} |", flush=True)
+                rows.append(dict(T=T, mode=mode, fused=fused, ours_ms=to.ms, fla_ms=tf.ms, ours_spread=to.spread,
+                                 fla_spread=tf.spread, ours_mb=mo, fla_mb=mf))
+        warn(spread_warning(times, "chunk timings"))
     return rows
 
 
@@ -175,9 +178,9 @@ def decode(args, device):
     _, fla_rec = fla_ops()
     dtype = getattr(torch, args.dtype)
     print(f"\n## decode: one token, state in and out, H={args.H} K=V={args.D}, {args.dtype} inputs, fp32 state")
-    print("| B | ours us | fla us | ours / fla time | max abs diff |")
-    print("|---|---|---|---|---|")
-    rows = []
+    print("| B | ours us | fla us | spread | ours / fla time | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    rows, times = [], {}
     for B in args.decode_batch:
         xs = inputs(B, 1, args.H, args.D, args.D, dtype, device, seed=B)
         h0 = torch.randn(B, args.H, args.D, args.D, device=device) * 0.1
@@ -185,20 +188,24 @@ def decode(args, device):
                                      backend="triton")
         with torch.no_grad():
             t_o, o_ours = bench(ours, device), ours()[0]
-            t_f = diff = float("nan")
+            t_f, diff = NOT_RUN, float("nan")
             if fla_rec is not None:
                 fla = lambda: fla_rec(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=True)  # noqa: E731
                 try:
                     t_f, diff = bench(fla, device), (fla()[0].float() - o_ours.float()).abs().max().item()
                 except Exception as e:
                     print(f"<!-- fla decode failed: {type(e).__name__}: {str(e)[:120]} -->")
-        print(f"| {B} | {t_o * 1e3:.1f} | {t_f * 1e3:.1f} | {t_o / t_f:.2f} | {diff:.1e} |", flush=True)
-        rows.append(dict(B=B, ours_us=t_o * 1e3, fla_us=t_f * 1e3, max_abs_diff=diff))
+        times.update({f"B={B} ours": t_o, f"B={B} fla": t_f})
+        print(f"| {B} | {t_o.median * 1e6:.1f} | {t_f.median * 1e6:.1f} | {spread_cell(t_o, t_f)} "
+              f"| {t_o.median / t_f.median:.2f} | {diff:.1e} |", flush=True)
+        rows.append(dict(B=B, ours_us=t_o.median * 1e6, fla_us=t_f.median * 1e6, ours_spread=t_o.spread,
+                         fla_spread=t_f.spread, max_abs_diff=diff))
+    warn(spread_warning(times, "decode timings"))
     return rows
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--T", type=int, nargs="+", default=[4096, 16384, 65536])
     p.add_argument("--H", type=int, default=32)
     p.add_argument("--D", type=int, default=128, help="head dim (K = V)")

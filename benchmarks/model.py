@@ -5,12 +5,12 @@ config, plus the cache size against an all-MLA model of the same size.
     python benchmarks/model.py            # forward at T = 512, 2048, 8192; decode; cache
     python benchmarks/model.py --quick    # T = 512, 2048 and fewer steps
 
-Nothing else should run on the machine meanwhile.
+Timings print the spread of their repeats (decode: of the per-token times); a WARNING line says when
+it is too large to trust the ratios. Nothing else should run on the machine meanwhile.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
-from common import timed  # noqa: E402
+from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 
 SIZE = dict(
@@ -45,15 +45,18 @@ def models():
 
 
 @torch.no_grad()
-def decode_tokens_per_s(model, prompt_len, new_tokens):
+def decode_step_times(model, prompt_len, new_tokens) -> Timing:
+    """The time of each greedy decoding step after a prompt of prompt_len tokens."""
     x = torch.randint(3, SIZE["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
     out = model(x, use_cache=True)
     cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    t0 = time.perf_counter()
+    times = []
     for _ in range(new_tokens):
+        t0 = time.perf_counter()
         out = model(tok, past_key_values=cache, use_cache=True)
         tok = out.logits[:, -1:].argmax(-1)
-    return new_tokens / (time.perf_counter() - t0)
+        times.append(time.perf_counter() - t0)
+    return Timing(tuple(times))
 
 
 @torch.no_grad()
@@ -65,11 +68,11 @@ def cache_bytes(model, T):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--decode-tokens", type=int, default=64)
-    p.add_argument("--quick", action="store_true")
+    p = argument_parser(__doc__)
+    p.add_argument("--T", type=int, nargs="+", default=[512, 2048, 8192], help="sequence lengths of the forward")
+    p.add_argument("--repeats", type=int, default=3, help="timed forwards per T after a warm-up")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens to decode (each step is timed)")
+    p.add_argument("--quick", action="store_true", help="T in 512, 2048, 2 repeats, 32 decoded tokens")
     args = p.parse_args(argv)
     if args.quick:
         args.T, args.repeats, args.decode_tokens = [512, 2048], 2, 32
@@ -79,23 +82,32 @@ def main(argv=None):
     print(f"# hybrid model on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, "
           f"{n_params / 1e6:.1f}M params (3 KDA + 1 MLA layers, {EXPERTS} experts top-2), B=1")
 
+    print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
     print("\n## forward (no cache)")
-    print("| T | ours ms | native ms | speed-up |")
-    print("|---|---|---|---|")
+    print("| T | ours ms | native ms | spread | speed-up |")
+    print("|---|---|---|---|---|")
+    times = {}
     for T in args.T:
         x = torch.randint(3, SIZE["vocab_size"], (1, T), generator=torch.Generator().manual_seed(T))
         with torch.no_grad():
             t_ours = timed(lambda: ours(x, use_cache=False), args.repeats)
             t_nat = timed(lambda: native(x, use_cache=False), 1 if T > 2048 else args.repeats)
-        print(f"| {T} | {t_ours * 1e3:.1f} | {t_nat * 1e3:.1f} | {t_nat / t_ours:.1f}x |", flush=True)
+        times.update({f"forward T={T} ours": t_ours, f"forward T={T} native": t_nat})
+        print(f"| {T} | {t_ours.ms:.1f} | {t_nat.ms:.1f} | {spread_cell(t_ours, t_nat)} | "
+              f"{t_nat.median / t_ours.median:.1f}x |", flush=True)
+    warn(spread_warning(times, "forward timings"))
 
-    print(f"\n## decode (greedy, B=1, {args.decode_tokens} new tokens after the prompt)")
-    print("| prompt | ours tokens/s | native tokens/s | ratio |")
-    print("|---|---|---|---|")
+    print(f"\n## decode (greedy, B=1, {args.decode_tokens} new tokens after the prompt; spread: of the token times)")
+    print("| prompt | ours tokens/s | native tokens/s | spread | ratio |")
+    print("|---|---|---|---|---|")
+    times = {}
     for prompt in (128, max(args.T)):
-        tps_ours = decode_tokens_per_s(ours, prompt, args.decode_tokens)
-        tps_nat = decode_tokens_per_s(native, prompt, args.decode_tokens)
-        print(f"| {prompt} | {tps_ours:.0f} | {tps_nat:.0f} | {tps_ours / tps_nat:.2f}x |", flush=True)
+        t_ours = decode_step_times(ours, prompt, args.decode_tokens)
+        t_nat = decode_step_times(native, prompt, args.decode_tokens)
+        times.update({f"decode prompt={prompt} ours": t_ours, f"decode prompt={prompt} native": t_nat})
+        print(f"| {prompt} | {1 / t_ours.median:.0f} | {1 / t_nat.median:.0f} | {spread_cell(t_ours, t_nat)} | "
+              f"{t_nat.median / t_ours.median:.2f}x |", flush=True)
+    warn(spread_warning(times, "decode timings"))
 
     print("\n## cache after T tokens (fp32) vs an all-MLA model of the same size")
     mla = KimiHybridForCausalLM(KimiHybridTextConfig(**{**SIZE, "layer_types": ["full_attention"] * 4}, num_experts=EXPERTS)).eval()

@@ -11,7 +11,6 @@ or below AdamW's final one (target: <= half of AdamW's steps).
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -25,7 +24,7 @@ from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
 
-from common import save_plot  # noqa: E402
+from common import Timing, argument_parser, save_plot, spread_cell, spread_warning, warn  # noqa: E402
 
 
 def config(hidden=96):
@@ -58,26 +57,29 @@ def val_loss(model, corpus, args, batches=8):
 
 
 def run(name, lr, steps, corpus, args, eval_every):
+    """(step, val loss) every eval_every steps, and the Timing of the training steps (evaluation excluded)."""
     torch.manual_seed(args.seed)
     model = KimiHybridForCausalLM(config(args.hidden)).train()
     opt = make_optimizer(name, model, lr)
     warmup = max(1, steps // 20)
     decay = (lambda s: 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps))) if args.schedule == "cosine" else (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup) * decay(s))
-    curve, t0 = [], time.perf_counter()
+    curve, times = [], []
     for step in range(1, steps + 1):
         x = corpus.batch(step, args.batch, args.seq, seed=args.seed)
+        t0 = time.perf_counter()
         model(input_ids=x, labels=x).loss.backward()
         opt.step()
         sched.step()
         opt.zero_grad()
+        times.append(time.perf_counter() - t0)
         if step % eval_every == 0 or step == steps:
             curve.append((step, val_loss(model, corpus, args)))
-    return curve, time.perf_counter() - t0
+    return curve, Timing(tuple(times))
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=64)
@@ -120,7 +122,10 @@ def main(argv=None):
     reach = next((s for s, v in curves["muonclip"] if v <= final), None)
     print(f"\nAdamW (lr {lrs['adamw']:.2g}) final val loss {final:.4f} at step {args.steps}; MuonClip (lr {lrs['muonclip']:.2g}) "
           f"reaches it at step {reach} ({'n/a' if reach is None else f'{args.steps / reach:.2f}x fewer steps'}); "
-          f"wall time AdamW {times['adamw']:.0f}s, MuonClip {times['muonclip']:.0f}s")
+          f"training time AdamW {sum(times['adamw'].times):.0f}s, MuonClip {sum(times['muonclip'].times):.0f}s")
+    print(f"s/step: AdamW {times['adamw'].median:.3f}, MuonClip {times['muonclip'].median:.3f} (median; spread "
+          f"{spread_cell(times['adamw'], times['muonclip'])}, interquartile range / median)")
+    warn(spread_warning({"AdamW steps": times["adamw"], "MuonClip steps": times["muonclip"]}, "step times"))
     def draw(fig):
         ax = fig.add_subplot()
         for name, curve in curves.items():

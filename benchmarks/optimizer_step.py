@@ -3,11 +3,12 @@
 torch.optim.Muon always runs Newton-Schulz in bf16, which CPUs execute slowly: expect seconds per step.
 
     python benchmarks/optimizer_step.py            # hidden 128 and 256
+
+The spread of the repeats is printed; a WARNING line says when it is too large to trust the ratios.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -15,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import timed  # noqa: E402
+from common import argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.optim import MuonClip, split_params  # noqa: E402
 
@@ -34,13 +35,16 @@ def model_of(hidden: int):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--hidden", type=int, nargs="+", default=[128, 256])
-    p.add_argument("--repeats", type=int, default=3)
+    p = argument_parser(__doc__)
+    p.add_argument("--hidden", type=int, nargs="+", default=[128, 256], help="hidden sizes of the model")
+    p.add_argument("--repeats", type=int, default=3, help="timed steps per optimizer after a warm-up")
     args = p.parse_args(argv)
     print(f"# optimizer step, CPU, torch {torch.__version__}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    print("| hidden | params | Muon matrices | MuonClip ms | MuonClip (bf16 NS) ms | torch Muon + AdamW ms | ratio | ratio (bf16 NS) |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
+    print("| hidden | params | Muon matrices | MuonClip ms | MuonClip (bf16 NS) ms | torch Muon + AdamW ms | spread "
+          "| ratio | ratio (bf16 NS) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    times = {}
     for hidden in args.hidden:
         model = model_of(hidden)
         muon, adamw = split_params(model)
@@ -55,8 +59,10 @@ def main(argv=None):
 
         a, b, c = timed(ours.step, args.repeats), timed(ours_bf16.step, args.repeats), timed(torch_step, args.repeats)
         n = sum(q.numel() for q in model.parameters())
-        print(f"| {hidden} | {n / 1e6:.1f}M | {len(muon)} | {a * 1e3:.1f} | {b * 1e3:.1f} | {c * 1e3:.1f} "
-              f"| {a / c:.2f}x | {b / c:.2f}x |", flush=True)
+        times.update({f"hidden {hidden} MuonClip": a, f"hidden {hidden} bf16 NS": b, f"hidden {hidden} torch": c})
+        print(f"| {hidden} | {n / 1e6:.1f}M | {len(muon)} | {a.ms:.1f} | {b.ms:.1f} | {c.ms:.1f} "
+              f"| {spread_cell(a, b, c)} | {a.median / c.median:.2f}x | {b.median / c.median:.2f}x |", flush=True)
+    warn(spread_warning(times))
 
 
 if __name__ == "__main__":

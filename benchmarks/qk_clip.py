@@ -7,7 +7,6 @@ stays at or below tau, and the loss does not suffer.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -19,7 +18,7 @@ from kimi_hf import KimiHybridForCausalLM  # noqa: E402
 from kimi_hf.data import ByteCorpus  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
 
-from common import save_plot  # noqa: E402
+from common import argument_parser, save_plot  # noqa: E402
 from muon_vs_adamw import config  # noqa: E402
 
 
@@ -42,7 +41,7 @@ def run(clip: bool, args, corpus):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argument_parser(__doc__)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--tau", type=float, default=20.0)

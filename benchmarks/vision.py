@@ -5,13 +5,13 @@ kimi_k25 tower (Kimi_K25VisionModel + Kimi_K25MultimodalProjection) with the sam
     python benchmarks/vision.py                 # small config (hidden 256, 4 layers), 1 and 4 images
     python benchmarks/vision.py --hidden 1152 --layers 27 --heads 16 --intermediate 4304   # K2.5's tower
 
-Prints median forward times, our speed-up and the max difference of the outputs. Nothing else
-should run on the machine meanwhile.
+Prints median forward times, the spread of the repeats, our speed-up and the max difference of the
+outputs; a WARNING line says when the spread is too large to trust the speed-up. Nothing else should
+run on the machine meanwhile.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig  # noqa: E402
 from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel  # noqa: E402
 
-from common import timed  # noqa: E402
+from common import argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf import KimiHybridVisionConfig, KimiHybridVisionModel  # noqa: E402
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid_vision import KimiHybridMultimodalProjector  # noqa: E402
 
@@ -46,23 +46,25 @@ def towers(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--intermediate", type=int, default=1024)
-    p.add_argument("--text-hidden", type=int, default=256)
-    p.add_argument("--images", type=int, nargs="+", default=[1, 4])
+    p = argument_parser(__doc__)
+    p.add_argument("--hidden", type=int, default=256, help="tower hidden size")
+    p.add_argument("--layers", type=int, default=4, help="tower layers")
+    p.add_argument("--heads", type=int, default=4, help="attention heads")
+    p.add_argument("--intermediate", type=int, default=1024, help="MLP size")
+    p.add_argument("--text-hidden", type=int, default=256, help="the projector's output size")
+    p.add_argument("--images", type=int, nargs="+", default=[1, 4], help="images per forward")
     p.add_argument("--size", type=int, default=448, help="image side in pixels (a multiple of 28)")
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed forwards after a warm-up")
     args = p.parse_args(argv)
     torch.set_flush_denormal(True)
     ref, ours = towers(args)
     side = args.size // 14
     print(f"# vision tower on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; hidden {args.hidden}, "
           f"{args.layers} layers, {args.heads} heads; {args.size} x {args.size} images ({side} x {side} patches); median of {args.repeats}")
-    print("| images | ours ms | kimi_k25 ms | speed-up | max abs diff |")
-    print("|---|---|---|---|---|")
+    print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
+    print("| images | ours ms | kimi_k25 ms | spread | speed-up | max abs diff |")
+    print("|---|---|---|---|---|---|")
+    times = {}
     for n in args.images:
         grid = torch.tensor([[1, side, side]] * n)
         pv = torch.randn(n * side * side, 3, 14, 14, generator=torch.Generator().manual_seed(n))
@@ -70,7 +72,10 @@ def main(argv=None):
             diff = (ref(pv, grid) - ours(pv, grid)).abs().max().item()
             t_ref = timed(lambda: ref(pv, grid), args.repeats)
             t_ours = timed(lambda: ours(pv, grid), args.repeats)
-        print(f"| {n} | {t_ours * 1e3:.1f} | {t_ref * 1e3:.1f} | {t_ref / t_ours:.2f}x | {diff:.1e} |", flush=True)
+        times.update({f"{n} images ours": t_ours, f"{n} images kimi_k25": t_ref})
+        print(f"| {n} | {t_ours.ms:.1f} | {t_ref.ms:.1f} | {spread_cell(t_ours, t_ref)} "
+              f"| {t_ref.median / t_ours.median:.2f}x | {diff:.1e} |", flush=True)
+    warn(spread_warning(times))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,9 @@
     kimi-hf convert kimi-linear SRC DST [...]       kimi-hf convert k25-vision TEXT K25 DST [...]
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
     kimi-hf bench NAME [...]                        (benchmarks/NAME.py of a source checkout)
+
+`kimi-hf COMMAND --help` shows a command's options. Errors are printed on one line; set
+KIMI_HF_TRACEBACK=1 to get the Python traceback instead.
 """
 
 from __future__ import annotations
@@ -13,53 +16,119 @@ import os
 import subprocess
 import sys
 
-BENCHMARKS = ["kda", "model", "vision", "conversion", "attn_res", "muon_vs_adamw", "qk_clip", "optimizer_step"]
+from . import __version__
+
+PROG = "kimi-hf"
+COMMAND_HELP = {
+    "quickstart": "build, train, save, reload and try a small early-fusion hybrid model (offline, CPU)",
+    "convert": "convert checkpoints: kimi-linear (Kimi Linear namings), k25-vision (add K2.5's vision tower)",
+    "serve": "an OpenAI-compatible HTTP server (transformers serve) for this package's models",
+    "bench": "run one of the benchmarks/ scripts of a source checkout",
+}
+CONVERTERS = {
+    "kimi-linear": "convert a Kimi Linear checkpoint between Moonshot's / transformers' naming and kimi_hf's",
+    "k25-vision": "assemble a hybrid text checkpoint and Kimi K2.5's vision tower into an early-fusion one",
+}
+BENCHMARKS = {
+    "kda": "the KDA operator: ours vs transformers' torch fallbacks on CPU (--cuda: Triton vs fla)",
+    "model": "the hybrid model vs transformers' KimiLinearForCausalLM on CPU: forward, decode, cache size",
+    "vision": "the vision tower vs transformers' kimi_k25 tower on CPU",
+    "conversion": "the streaming converter's peak memory against the checkpoint size",
+    "attn_res": "Block Attention Residuals vs the residual sum: loss, hidden-state RMS, overhead",
+    "muon_vs_adamw": "token efficiency of MuonClip vs AdamW on a byte-level hybrid LM",
+    "qk_clip": "QK-Clip keeping the max attention logit at or below tau",
+    "optimizer_step": "optimizer step time: MuonClip vs torch.optim.Muon + AdamW",
+}
+# what a command raises for bad input or a failed run: printed on one line, not as a traceback
+USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with one-line usage errors (`PROG: error: ...`, exit status 2) that point to --help."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Option defaults in the help."""
+
+
+def _choose(prog: str, what: str, choices: dict[str, str], argv: list[str], description: str = "",
+            version: str | None = None) -> str:
+    """The NAME of `prog NAME ARGS...`: `--help` lists the choices (exit 0); a missing or unknown NAME,
+    or an option before it, is a usage error (exit 2)."""
+    listing = "\n".join(f"  {name:<15} {text}" for name, text in choices.items())
+    p = ArgumentParser(prog=prog, usage=f"{prog} [-h]{' [--version]' if version else ''} {what} [ARGS...]",
+                       description=f"{description.strip()}\n\n{what}:\n{listing}".strip(),
+                       epilog=f"'{prog} {what} --help' shows the options of {what}.",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    if version:
+        p.add_argument("--version", action="version", version=version)
+    p.add_argument("name", metavar=what, choices=choices, help=f"one of: {', '.join(choices)}")
+    if argv and argv[0].startswith("-") and argv[0] not in ("-h", "--help", "--version" if version else "-h"):
+        p.error(f"unrecognized arguments: {argv[0]} ({what} comes first)")
+    return p.parse_args(argv[:1]).name  # the rest belongs to NAME's own parser
+
+
+def quickstart_parser() -> ArgumentParser:
+    from .quickstart import SIZES  # no torch import: --help stays fast
+
+    p = ArgumentParser(prog=f"{PROG} quickstart", formatter_class=_HelpFormatter,
+                       description="Build, train (MuonClip + Trainer), save, reload and try a small early-fusion "
+                       "hybrid model, offline, in a few minutes on CPU. Writes OUT/model, OUT/trainer, OUT/loss.png, "
+                       "OUT/question.png and OUT/summary.json (all checked before any work).")
+    p.add_argument("--size", choices=sorted(SIZES), default="small",
+                   help="model size: " + "; ".join(f"{k}: hidden {v['hidden']}, {v['layers']} layers"
+                                                   for k, v in SIZES.items()))
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--batch-size", type=int, default=16, help="examples per training step")
+    p.add_argument("--lr", type=float, default=5e-3, help="MuonClip learning rate (cosine schedule)")
+    p.add_argument("--text-examples", type=int, default=2000, help="training examples of standard-library source text")
+    p.add_argument("--image-examples", type=int, default=2000, help="training examples of generated scenes to count")
+    p.add_argument("--eval-images", type=int, default=64, help="held-out scenes for the counting accuracy")
+    p.add_argument("--out", default="outputs/quickstart", help="output directory (created if missing)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data, the initialisation and the training order")
+    p.add_argument("--no-progress", action="store_true", help="no training progress bar")
+    return p
 
 
 def _quickstart(argv):
-    from .quickstart import SIZES, run_quickstart
+    a = quickstart_parser().parse_args(argv)
+    from .quickstart import run_quickstart
 
-    p = argparse.ArgumentParser(prog="kimi-hf quickstart", description="Build, train (MuonClip + Trainer), save, reload "
-                                "and try a small early-fusion hybrid model, offline, in a few minutes on CPU.")
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--lr", type=float, default=5e-3)
-    p.add_argument("--text-examples", type=int, default=2000)
-    p.add_argument("--image-examples", type=int, default=2000)
-    p.add_argument("--eval-images", type=int, default=64)
-    p.add_argument("--out", default="outputs/quickstart")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--no-progress", action="store_true")
-    a = p.parse_args(argv)
+    # run_quickstart checks its arguments and every output path before it does any work
     return run_quickstart(a.out, a.size, a.steps, a.batch_size, a.lr, a.device, a.seed, a.text_examples,
                           a.image_examples, a.eval_images, progress=not a.no_progress)
 
 
 def _convert(argv):
+    name = _choose(f"{PROG} convert", "CONVERTER", CONVERTERS, argv,
+                   description="Convert checkpoints (streaming, sharded, atomic: a failed run leaves no output).")
     from .conversion.cli import k25_vision_main, kimi_linear_main
 
-    tools = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main}
-    if not argv or argv[0] not in tools:
-        raise SystemExit(f"usage: kimi-hf convert {{{','.join(tools)}}} ARGS... (--help after the name for its options)")
-    return tools[argv[0]](argv[1:])
+    main = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main}[name]
+    return main(argv[1:], prog=f"{PROG} convert {name}")
 
 
 def _serve(argv):
+    # kimi_hf.serving parses the arguments, and checks MODEL_DIR before the server starts
     from .serving import main
 
-    return main(argv)
+    return main(argv, prog=f"{PROG} serve")
 
 
 def _bench(argv):
-    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-    if not argv or argv[0] not in BENCHMARKS:
-        raise SystemExit(f"usage: kimi-hf bench {{{','.join(BENCHMARKS)}}} ARGS... (--help after the name for its options)")
-    script = os.path.join(root, f"{argv[0]}.py")
+    name = _choose(f"{PROG} bench", "NAME", BENCHMARKS, argv,
+                   description="Run benchmarks/NAME.py of a source checkout, as `python benchmarks/NAME.py ARGS...`.")
+    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
     if not os.path.exists(script):
-        raise SystemExit(f"kimi-hf bench runs the benchmarks/ scripts of a source checkout; {script} does not exist")
-    code = subprocess.call([sys.executable, script, *argv[1:]])  # exactly as `python benchmarks/NAME.py ...`
+        raise FileNotFoundError(f"kimi-hf bench runs the benchmarks/ scripts of a source checkout; {script} does not "
+                                "exist")
+    # KIMI_HF_PROG: the script's argparse names `kimi-hf bench NAME` in its usage (benchmarks/common.py)
+    env = {**os.environ, "KIMI_HF_PROG": f"{PROG} bench {name}"}
+    code = subprocess.call([sys.executable, script, *argv[1:]], env=env)  # exactly as `python benchmarks/NAME.py ...`
     if code:
         raise SystemExit(code)
 
@@ -68,22 +137,37 @@ COMMANDS = {"quickstart": _quickstart, "convert": _convert, "serve": _serve, "be
 
 
 def run(argv: list[str] | None = None):
-    """Runs a command and returns its result (a QuickstartResult, a conversion summary, ...)."""
+    """Runs a command and returns its result (a QuickstartResult, a conversion summary, ...). Errors raise:
+    usage errors and --help / --version exit through SystemExit (2 and 0), a failing command raises its error."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print(__doc__)
-        if not argv:
-            raise SystemExit(2)  # a command is required (usage printed)
-        if argv[0] not in ("-h", "--help"):
-            raise SystemExit(f"unknown command {argv[0]!r}; one of: {', '.join(COMMANDS)}")
-        return None
-    return COMMANDS[argv[0]](argv[1:])
+    name = _choose(PROG, "COMMAND", COMMAND_HELP, argv, description=__doc__, version=f"{PROG} {__version__}")
+    return COMMANDS[name](argv[1:])
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script: exit status 0 on success (errors exit through SystemExit / exceptions)."""
-    run(argv)
+    """The console script: runs a command and returns its exit status (0 success, 1 a failed command, 2 a usage
+    error, 130 interrupted); errors are printed on one line to stderr as `kimi-hf: error: ...`."""
+    try:
+        run(argv)
+    except SystemExit as e:  # argparse (help: 0, usage: 2), a benchmark's status, or a message
+        if e.code is None or isinstance(e.code, int):
+            return e.code or 0
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except USER_ERRORS as e:
+        if os.environ.get("KIMI_HF_TRACEBACK"):
+            raise
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
     return 0
 
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

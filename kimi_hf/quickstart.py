@@ -17,14 +17,16 @@ import random
 import time
 from dataclasses import dataclass
 
-import torch
-
 SIZES = {  # hidden, layers (3 KDA : 1 MLA), experts, vision hidden, vocabulary
     "tiny": dict(hidden=64, layers=4, experts=4, vision_hidden=32, vocab=512),
     "small": dict(hidden=128, layers=4, experts=4, vision_hidden=64, vocab=1024),
     "base": dict(hidden=256, layers=8, experts=8, vision_hidden=128, vocab=2048),
 }
 TEXT_PROMPT = "Write some Python."
+# what run_quickstart writes under `out`: directories, then files (summary.json goes through a temporary file)
+OUTPUT_DIRS = {"model": "the trained model and processor", "trainer": "the Trainer's output_dir"}
+OUTPUT_FILES = {"loss.png": "the loss plot", "question.png": "the question image", "summary.json": "the summary",
+                "summary.json.tmp": "the summary's temporary file"}
 
 
 @dataclass
@@ -60,6 +62,7 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
     """A KimiHybridForConditionalGeneration of one of SIZES for `tokenizer` (Kimi Linear's 3:1
     KDA:MLA layout and a dense first layer, then MoE; MoonViT tower with positions for image_size)."""
     from . import KimiHybridConfig, KimiHybridForConditionalGeneration
+    from .chat import chat_stop_token_ids
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -69,7 +72,8 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
                 num_hidden_layers=s["layers"], first_k_dense_replace=1, num_attention_heads=2, kv_lora_rank=h // 4,
                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=s["experts"], num_experts_per_tok=2,
                 n_shared_experts=1, linear_num_heads=2, linear_head_dim=h // 2, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, attn_residual=attn_residual)
+                bos_token_id=tokenizer.bos_token_id, eos_token_id=chat_stop_token_ids(tokenizer),
+                attn_residual=attn_residual)  # replies stop at the turn end
     vision = dict(hidden_size=s["vision_hidden"], num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=2 * s["vision_hidden"], pos_emb_height=side, pos_emb_width=side)
     config = KimiHybridConfig(text_config=text, vision_config=vision,
@@ -77,7 +81,45 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
     return KimiHybridForConditionalGeneration(config)
 
 
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.lexists(path):
+        path = os.path.dirname(path)
+    return path
+
+
+def check_outputs(out: str) -> None:
+    """Raises ValueError naming the first path under `out` that run_quickstart could not write: `out` and
+    its subdirectories must be (or become) writable directories, its files writable files. Creates nothing."""
+    if not isinstance(out, (str, os.PathLike)):
+        raise TypeError(f"out must be a path, got {type(out).__name__}")
+    out = os.fspath(out)
+    if not os.path.isdir(out):
+        if os.path.lexists(out):
+            raise ValueError(f"out: {out!r} exists and is not a directory")
+        parent = _nearest_existing(out)
+        if not os.path.isdir(parent):
+            raise ValueError(f"out: cannot create {out!r}: {parent!r} is not a directory")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise ValueError(f"out: cannot create {out!r}: {parent!r} is not writable")
+        return  # everything below out will be new
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ValueError(f"out: {out!r} is not writable")
+    for name, what in {**OUTPUT_DIRS, **OUTPUT_FILES}.items():
+        path = os.path.join(out, name)
+        if not os.path.lexists(path):
+            continue
+        if name in OUTPUT_DIRS and not os.path.isdir(path):
+            raise ValueError(f"out: {path!r} exists and is not a directory (quickstart writes {what} there)")
+        if name in OUTPUT_FILES and not os.path.isfile(path):
+            raise ValueError(f"out: {path!r} exists and is not a file (quickstart writes {what} there)")
+        if not os.access(path, os.W_OK | (os.X_OK if name in OUTPUT_DIRS else 0)):
+            raise ValueError(f"out: {path!r} is not writable (quickstart writes {what} there)")
+
+
 def _device(device: str) -> str:
+    import torch
+
     if device not in ("auto", "cpu", "cuda"):
         raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {device!r}")
     if device == "cuda" and not torch.cuda.is_available():
@@ -89,6 +131,21 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
                    lr: float = 5e-3, device: str = "auto", seed: int = 0, text_examples_n: int = 2000,
                    image_examples_n: int = 2000, eval_images: int = 64, image_size: int = 84,
                    progress: bool = True) -> QuickstartResult:
+    """Runs the six steps (module docstring), writing OUTPUT_DIRS and OUTPUT_FILES under `out`. The arguments
+    and the output paths are checked first: a bad one raises before any work is done."""
+    for name, v in (("steps", steps), ("batch_size", batch_size), ("text_examples_n", text_examples_n),
+                    ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{name} must be a positive integer, got {v!r}")
+    if text_examples_n + image_examples_n < batch_size:
+        raise ValueError(f"text_examples_n + image_examples_n ({text_examples_n + image_examples_n}) must be at least "
+                         f"batch_size ({batch_size}): the last partial batch is dropped, so no step would run")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    check_outputs(out)  # before the minutes of work, not after them
+    device = _device(device)
+
+    import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
     from . import KimiHybridImageProcessor, KimiHybridProcessor
@@ -99,16 +156,6 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     from .scenes import QUESTION, ask, counting_accuracy, counting_examples, render_scene
     from .tokenization import train_tokenizer
 
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("text_examples_n", text_examples_n),
-                    ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{name} must be a positive integer, got {v!r}")
-    if text_examples_n + image_examples_n < batch_size:
-        raise ValueError(f"text_examples_n + image_examples_n ({text_examples_n + image_examples_n}) must be at least "
-                         f"batch_size ({batch_size}): the last partial batch is dropped, so no step would run")
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    device = _device(device)
     t0 = time.time()
     torch.manual_seed(seed)
     torch.set_flush_denormal(True)
@@ -192,4 +239,4 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     return QuickstartResult(out, model_dir, loss_plot, summary_path, summary)
 
 
-__all__ = ["run_quickstart", "small_multimodal_model", "text_examples", "SIZES", "QuickstartResult"]
+__all__ = ["run_quickstart", "check_outputs", "small_multimodal_model", "text_examples", "SIZES", "QuickstartResult"]

@@ -6,6 +6,10 @@ transformers' server loads a checkpoint as `getattr(transformers, config.archite
 class that lives outside transformers is not found there (trust_remote_code does not change that
 path); this launcher exposes our classes to its loader, then runs the stock server. Tool calls in the
 replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's).
+
+Requests name the model by MODEL exactly as given on the command line (transformers serve pins the
+server to it and answers 400 to any other name), or by a `--served-model-name` alias. The multimodal
+model takes OpenAI `image_url` parts (data: URLs or local files; nothing is downloaded offline).
 """
 
 from __future__ import annotations
@@ -13,32 +17,102 @@ from __future__ import annotations
 import argparse
 
 
-def expose_models_to_transformers_serve() -> None:
+def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -> None:
+    """Makes transformers' server load and serve this package's models.
+
+    - its loader resolves `config.architectures[0]` on the transformers module: our classes are put there;
+    - its modality check knows only in-tree class names: ours are text (LLM) and image-text (VLM) models;
+    - a text model saved beside a processor has `processor_class` in tokenizer_config.json (AutoProcessor
+      would then build the multimodal processor for it): text models load their tokenizer;
+    - `aliases` maps extra request names (`--served-model-name`) to the served model.
+    """
     import transformers.cli.serving.model_manager as manager
+    import transformers.cli.serving.utils as serving_utils
+    from transformers import AutoConfig, AutoTokenizer
 
     from . import KimiHybridForCausalLM, KimiHybridForConditionalGeneration  # importing kimi_hf registers the Auto classes
 
     for cls in (KimiHybridForCausalLM, KimiHybridForConditionalGeneration):
         setattr(manager.transformers, cls.__name__, cls)
+    modalities = {KimiHybridForCausalLM: manager.Modality.LLM, KimiHybridForConditionalGeneration: manager.Modality.VLM}
+    ModelManager = manager.ModelManager
+    if not getattr(ModelManager, "_kimi_hf_patched", False):
+        modality, load_processor = ModelManager.get_model_modality, ModelManager._load_processor
+
+        def get_model_modality(model, processor=None):
+            if processor is not None and not hasattr(processor, "image_processor"):
+                return manager.Modality.LLM  # a tokenizer
+            for cls, kind in modalities.items():
+                if isinstance(model, cls):
+                    return kind
+            return modality(model, processor)
+
+        def _load_processor(self, model_id_and_revision, gguf_file=None):
+            model_id, revision = serving_utils.split_revision(model_id_and_revision)
+            if gguf_file is None:
+                config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+                if config.model_type == "kimi_hybrid_text":
+                    return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+            return load_processor(self, model_id_and_revision, gguf_file=gguf_file)
+
+        ModelManager.get_model_modality = staticmethod(get_model_modality)
+        ModelManager._load_processor = _load_processor
+        ModelManager._kimi_hf_patched = True
+    if aliases:
+        resolve = serving_utils.BaseHandler._resolve_model
+
+        def _resolve_model(self, body):
+            if body.get("model") in aliases:
+                body = {**body, "model": aliases[body["model"]]}
+            return resolve(self, body)
+
+        serving_utils.BaseHandler._resolve_model = _resolve_model
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kimi_hf.serving", description=__doc__.split("\n\n")[0])
+def check_model_dir(model: str) -> None:
+    """A one-line error before the server starts: the directory must exist and hold a model of this package."""
+    import json
+    import os
+
+    if not os.path.exists(model):
+        if os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") != 1:
+            raise FileNotFoundError(f"model directory {model!r} does not exist")
+        return  # `org/name`: a Hub repo id (from the local cache; transformers says if it is not there)
+    if not os.path.isdir(model):
+        raise NotADirectoryError(f"model {model!r} is a file, not a model directory (save_pretrained output)")
+    config = os.path.join(model, "config.json")
+    if not os.path.isfile(config):
+        raise FileNotFoundError(f"{config} does not exist: not a save_pretrained directory")
+    try:
+        with open(config, encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{config} is not a readable JSON config ({e})") from e
+    if model_type not in ("kimi_hybrid", "kimi_hybrid_text"):
+        raise ValueError(f"{config} has model_type {model_type!r}: kimi-hf serve serves this package's models "
+                         "(kimi_hybrid, kimi_hybrid_text); use `transformers serve` for others")
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving") -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("model", help="a local model directory (save_pretrained output) or a cached Hub repo id")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--device", default="auto")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--log-level", default="warning")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, ...")
+    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
+                   help="another name that requests may use for the model (besides MODEL itself); repeatable")
+    p.add_argument("--log-level", default="warning", help="the server's log level")
     args = p.parse_args(argv)
+    check_model_dir(args.model)
     try:  # the serving extra (fastapi, uvicorn, openai) is checked by the import and by Serve() itself
         from transformers.cli.serve import Serve
-
-        expose_models_to_transformers_serve()
-        Serve(force_model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-              log_level=args.log_level)
     except ImportError as e:
         raise SystemExit(f"the server needs transformers' serving extra: pip install 'transformers[serving]' ({e})")
+    expose_models_to_transformers_serve({name: args.model for name in args.served_model_name})
+    Serve(force_model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+          log_level=args.log_level)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +10,22 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from kimi_hf.cli import main, run
+import kimi_hf
+from kimi_hf.cli import main, quickstart_parser, run
 
 SCRIPT = Path(sys.executable).parent / "kimi-hf"
 
 
-def shell(*args, timeout=600):
+def shell(*args, timeout=600, **env):
     return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+
+
+def one_line_error(text: str, prefix: str = "kimi-hf: error: ") -> str:
+    """The error of a failed command: exactly one line on stderr, no traceback."""
+    lines = text.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(prefix) and "Traceback" not in text, text
+    return lines[0]
 
 
 def test_console_script_and_module_print_usage():
@@ -26,23 +35,125 @@ def test_console_script_and_module_print_usage():
         assert r.returncode == 0 and "kimi-hf quickstart" in r.stdout and "kimi-hf convert" in r.stdout
 
 
-def test_subcommand_help_and_errors(capsys):
-    for argv in (["convert", "kimi-linear", "--help"], ["convert", "k25-vision", "--help"], ["serve", "--help"],
-                 ["quickstart", "--help"]):
-        with pytest.raises(SystemExit) as e:
-            run(argv)
-        assert e.value.code == 0, argv
-    assert "--max-shard-size" in capsys.readouterr().out
+def test_help_does_not_import_torch_or_transformers():
+    # `import kimi_hf` imports (and registers) the models, seconds of torch + transformers; the command's own
+    # process defers that to first use, so --help and usage errors are instant
+    for cmd in ([str(SCRIPT), "--help"], [str(SCRIPT), "quickstart", "--help"], [str(SCRIPT), "serve", "--help"],
+                [str(SCRIPT), "bench", "--help"], ["-m", "kimi_hf", "--version"]):
+        r = shell(sys.executable, "-X", "importtime", *cmd)
+        assert r.returncode == 0, r.stderr[-2000:]
+        imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
+        assert "kimi_hf" in imported and not {"torch", "transformers"} & imported, cmd
+
+
+def test_the_command_still_registers_the_auto_classes_on_first_use():
+    code = ("import sys; sys.argv[0] = 'kimi-hf'; import kimi_hf; assert 'torch' not in sys.modules; "
+            "from transformers import AutoConfig; kimi_hf.KimiHybridConfig; "
+            "print(type(AutoConfig.for_model('kimi_hybrid')).__name__)")
+    r = shell(sys.executable, "-c", code)
+    assert r.returncode == 0 and r.stdout.strip() == "KimiHybridConfig", r.stderr[-2000:]
+    from transformers import AutoConfig  # and here, in a plain `import kimi_hf`
+
+    assert type(AutoConfig.for_model("kimi_hybrid")) is kimi_hf.KimiHybridConfig
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"kimi-hf {kimi_hf.__version__}\n"
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["--help"], "usage: kimi-hf [-h] [--version] COMMAND"),
+    (["quickstart", "--help"], "usage: kimi-hf quickstart [-h]"),
+    (["convert", "--help"], "usage: kimi-hf convert [-h] CONVERTER"),
+    (["convert", "kimi-linear", "--help"], "usage: kimi-hf convert kimi-linear [-h]"),
+    (["convert", "k25-vision", "--help"], "usage: kimi-hf convert k25-vision [-h]"),
+    (["bench", "--help"], "usage: kimi-hf bench [-h] NAME"),
+    (["serve", "--help"], "usage: kimi-hf serve [-h]"),
+])
+def test_every_help_exits_0_and_names_its_program(argv, usage, capsys):
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(usage), out[:300]
+    assert "python -m" not in out.splitlines()[0]
+
+
+def test_bench_script_help_names_the_command(capfd):
     assert main(["bench", "qk_clip", "--help"]) == 0  # runs benchmarks/qk_clip.py in a subprocess
-    with pytest.raises(SystemExit) as e:
-        main([])
-    assert e.value.code == 2
-    with pytest.raises(SystemExit, match="unknown command 'fly'"):
-        main(["fly"])
-    with pytest.raises(SystemExit, match="usage: kimi-hf convert"):
-        main(["convert", "nothing"])
-    with pytest.raises(SystemExit, match="usage: kimi-hf bench"):
-        main(["bench"])
+    assert capfd.readouterr().out.startswith("usage: kimi-hf bench qk_clip [-h]")
+
+
+def test_quickstart_help_shows_defaults_and_descriptions(capsys):
+    p = quickstart_parser()
+    assert all(action.help for action in p._actions), [a.dest for a in p._actions if not a.help]
+    assert main(["quickstart", "--help"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    for default in ("(default: 300)", "(default: small)", "(default: outputs/quickstart)", "(default: 0.005)"):
+        assert default in out
+
+
+def test_usage_errors_exit_2_on_one_line(capsys):
+    for argv, prog, message in (
+        ([], "kimi-hf", "the following arguments are required: COMMAND"),
+        (["fly"], "kimi-hf", "invalid choice: 'fly'"),
+        (["-x"], "kimi-hf", "unrecognized arguments: -x"),
+        (["convert"], "kimi-hf convert", "the following arguments are required: CONVERTER"),
+        (["convert", "nothing"], "kimi-hf convert", "invalid choice: 'nothing'"),
+        (["bench"], "kimi-hf bench", "the following arguments are required: NAME"),
+        (["quickstart", "--steps", "many"], "kimi-hf quickstart", "argument --steps: invalid int value: 'many'"),
+    ):
+        assert main(argv) == 2, argv
+        assert message in one_line_error(capsys.readouterr().err, f"{prog}: error: "), argv
+
+
+def test_bad_max_shard_size_is_a_one_line_error_naming_the_option(tmp_path):
+    r = shell(str(SCRIPT), "convert", "kimi-linear", str(tmp_path), str(tmp_path / "out"), "--max-shard-size", "5XB")
+    assert r.returncode == 2
+    line = one_line_error(r.stderr, "kimi-hf convert kimi-linear: error: ")
+    assert "--max-shard-size" in line and "'5XB'" in line
+    assert not (tmp_path / "out").exists()
+
+
+def test_runtime_errors_are_one_line_exit_1(tmp_path, capsys, monkeypatch):
+    assert main(["convert", "kimi-linear", str(tmp_path / "missing"), str(tmp_path / "out")]) == 1
+    assert "missing" in one_line_error(capsys.readouterr().err)
+    # the console script, through a real failing command
+    r = shell(str(SCRIPT), "serve", "does/not/exist")
+    assert r.returncode == 1
+    assert one_line_error(r.stderr).startswith("kimi-hf: error: model directory 'does/not/exist' does not exist")
+    monkeypatch.setenv("KIMI_HF_TRACEBACK", "1")  # the escape hatch: the exception itself
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        main(["serve", "does/not/exist"])
+
+
+@pytest.mark.parametrize("blocker, kind", [("model", "file"), ("trainer", "file"), ("loss.png", "dir"),
+                                            ("question.png", "dir"), ("summary.json", "dir"), (".", "file")])
+def test_quickstart_checks_every_output_path_before_any_work(tmp_path, blocker, kind):
+    out = tmp_path / "qs"
+    if blocker == ".":  # OUT itself is a file
+        out.write_text("x")
+        blocked = out
+    else:
+        out.mkdir()
+        blocked = out / blocker
+        blocked.write_text("x") if kind == "file" else blocked.mkdir()
+    before = sorted(p.name for p in tmp_path.rglob("*"))
+    r = shell(str(SCRIPT), "quickstart", "--size", "tiny", "--steps", "1", "--batch-size", "2", "--text-examples", "2",
+              "--image-examples", "2", "--eval-images", "1", "--out", str(out), "--no-progress", timeout=120)
+    assert r.returncode == 1 and r.stdout == ""  # not even step [1/6]
+    line = one_line_error(r.stderr)
+    assert repr(str(blocked)) in line and ("not a directory" if kind == "file" else "not a file") in line
+    assert sorted(p.name for p in tmp_path.rglob("*")) == before  # nothing created
+
+
+def test_quickstart_out_under_a_file_creates_nothing(tmp_path):
+    from kimi_hf.quickstart import check_outputs
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is not a directory"):
+        check_outputs(str(tmp_path / "file" / "qs"))
+    check_outputs(str(tmp_path / "new" / "deeper"))  # creatable: fine, and still not created
+    assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
 def test_quickstart_end_to_end_from_the_command_line(tmp_path):
@@ -57,6 +168,14 @@ def test_quickstart_end_to_end_from_the_command_line(tmp_path):
     assert summary["image_answer"] is not None and 0 <= summary["held_out_counting_accuracy"] <= 1
     assert Image.open(out / "loss.png").size == (640, 400)
     assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "kda.py"} <= set(os.listdir(out / "model"))
+
+
+def test_run_returns_the_result_and_raises():
+    with pytest.raises(SystemExit) as e:
+        run(["convert", "--help"])
+    assert e.value.code == 0
+    with pytest.raises(FileNotFoundError):
+        run(["serve", "does/not/exist"])
 
 
 def test_quickstart_rejects_bad_arguments():

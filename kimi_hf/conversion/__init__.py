@@ -1,10 +1,20 @@
 """Checkpoint conversion (streaming, sharded, atomic): Kimi Linear namings and Kimi K2.5's vision
-tower. Command-line entry points live in the repository's conversion/ folder and `kimi-hf convert`."""
+tower. Command-line entry points live in the repository's conversion/ folder and `kimi-hf convert`.
 
-from .checkpoint import CheckpointReader, ShardedWriter, parse_size, peak_rss_mb
-from .kimi_linear import convert as convert_kimi_linear
-from .kimi_linear import verify as verify_kimi_linear
-from .tokenizer import convert_tokenizer_dir, tiktoken_to_fast
+The names below load on first use (PEP 562): importing the package for its command line stays free of
+torch (`kimi-hf convert NAME --help` answers at once)."""
 
-__all__ = ["CheckpointReader", "ShardedWriter", "parse_size", "peak_rss_mb", "convert_kimi_linear", "verify_kimi_linear",
-           "tiktoken_to_fast", "convert_tokenizer_dir"]
+import importlib
+
+_EXPORTS = {"CheckpointReader": (".checkpoint", "CheckpointReader"), "ShardedWriter": (".checkpoint", "ShardedWriter"),
+            "parse_size": (".checkpoint", "parse_size"), "peak_rss_mb": (".checkpoint", "peak_rss_mb"),
+            "convert_kimi_linear": (".kimi_linear", "convert"), "verify_kimi_linear": (".kimi_linear", "verify"),
+            "tiktoken_to_fast": (".tokenizer", "tiktoken_to_fast"), "convert_tokenizer_dir": (".tokenizer", "convert_tokenizer_dir")}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, attr = _EXPORTS[name]
+    return getattr(importlib.import_module(module, __name__), attr)

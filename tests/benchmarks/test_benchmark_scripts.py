@@ -1,5 +1,7 @@
-"""The benchmark scripts run end to end at toy sizes (their numbers are not checked: machines are noisy)."""
+"""The benchmark scripts run end to end at toy sizes (their numbers are not checked: machines are noisy), and
+their shared timing helper (benchmarks/common.py) reports spreads and warnings right, on synthetic timings."""
 
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -7,6 +9,12 @@ from pathlib import Path
 import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import common  # noqa: E402  (benchmarks/common.py)
+from common import Timing, scaling_warning, spread_cell, spread_warning, timed  # noqa: E402
+
+TIMED = {"kda.py", "kda_cuda.py", "model.py", "optimizer_step.py", "muon_vs_adamw.py", "attn_res.py", "vision.py"}
 
 CASES = {
     "kda.py": ["--T", "64", "128", "--repeats", "1", "--no-memory"],
@@ -30,3 +38,48 @@ def test_benchmark_script_runs(script, tmp_path):
                          cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "|" in out.stdout  # printed its table
+    if script in TIMED:  # the spread of the repeats is part of every timing's report
+        assert "spread" in out.stdout
+
+
+def test_timing_spread_is_the_interquartile_range_over_the_median():
+    steady = Timing((0.100, 0.102, 0.098, 0.101, 0.099))
+    assert steady.median == 0.100 and steady.min == 0.098 and steady.max == 0.102
+    assert steady.spread == pytest.approx(0.002 / 0.100) and not steady.noisy
+    assert Timing((1.0, 1.0, 1.0, 1.0, 9.0)).spread == 0  # one outlier of five: the median holds
+    assert Timing((0.016, 0.720, 0.700)).spread == pytest.approx((0.710 - 0.358) / 0.700)  # three: half the range
+    assert Timing((0.016, 0.720, 0.700)).noisy
+    assert math.isnan(Timing((0.5,)).spread) and not Timing((0.5,)).noisy  # one repeat: unknown, not noisy
+    assert math.isnan(common.NOT_RUN.median)
+
+
+def test_spread_cell_and_warning_flag_only_noisy_timings():
+    steady, noisy = Timing((0.10, 0.11, 0.10)), Timing((0.016, 0.72, 0.70))
+    assert spread_cell(steady) == "5%" and spread_cell(steady, noisy) == "50% !"
+    assert spread_cell(Timing((0.5,)), common.NOT_RUN) == "n/a"
+    assert spread_warning({"ours": steady, "peer": Timing((0.2, 0.21, 0.2))}) is None
+    line = spread_warning({"T=512 ours": noisy, "T=1024 ours": steady}, "forward timings")
+    assert line.startswith("WARNING: 1 noisy forward timings") and "T=512 ours 50%" in line and "T=1024" not in line
+    assert "quiet machine" in line and "pin threads" in line and "\n" not in line
+
+
+def test_scaling_warning_catches_a_longer_input_running_faster():
+    # the reported run: 720 ms at T=512, 16 ms at T=1024 (each steady on its own)
+    slow, fast = Timing((0.72, 0.72, 0.73)), Timing((0.016, 0.016, 0.017))
+    assert "implausible" in scaling_warning("scaling (fwd)", slow, fast, 512, 1024)
+    assert "implausible" in scaling_warning("scaling (fwd)", fast, slow, 512, 2048)  # 45x for 4x longer
+    assert scaling_warning("scaling (fwd)", Timing((0.1, 0.1)), Timing((0.38, 0.4)), 512, 2048) is None
+    assert scaling_warning("scaling (fwd)", Timing((0.1, 0.1)), common.NOT_RUN, 512, 2048) is None
+
+
+def test_timed_counts_repeats_and_keeps_three_within_a_budget():
+    calls = []
+    t = timed(lambda: calls.append(1), 4, warmup=2)
+    assert len(t.times) == 4 and len(calls) == 6
+    # every call outlasts the budget: it stops after the minimum of 3 repeats (not asserting on the times)
+    import time
+
+    t = timed(lambda: time.sleep(0.002), 50, warmup=0, budget_s=0.001)
+    assert len(t.times) == 3
+    assert len(timed(lambda: None, 2, budget_s=0.0).times) == 2  # fewer repeats asked than the minimum
+

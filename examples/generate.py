@@ -17,7 +17,6 @@ import os
 import sys
 
 import torch
-from PIL import Image
 from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
                           TextStreamer)
 
@@ -62,7 +61,7 @@ def main(argv=None) -> dict:
             raise SystemExit("--image needs a multimodal model (model_type kimi_hybrid)")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.question}]}]
         prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = processor(images=[Image.open(args.image).convert("RGB")], text=[prompt], return_tensors="pt")
+        inputs = processor(images=[args.image], text=[prompt], return_tensors="pt")  # errors name a bad file
         print(f"\n> [{args.image}] {args.question}")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, streamer=streamer, **sampling)

@@ -6,8 +6,9 @@ generated scenes, with transformers' Trainer, MuonClip and the vision collator; 
 
 Scenes hold 1-4 circles and up to 2 distracting squares; the model must answer "How many circles
 are there?" from the pixels (chance: 25%). Prints the held-out accuracy (greedy generate on images
-never seen in training) and writes the loss curve and accuracy per count to <out>/multimodal.png,
-the model and processor to <out>/model.
+never seen in training) and the accuracy per count, writes the loss curve to <out>/multimodal.png
+(kimi_hf.plotting's PNG writer: no matplotlib needed) and the model and processor to <out>/model.
+The accuracy depends on --seed (data, initialisation, batch order), and on the machine's kernels.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from transformers import Trainer, TrainingArguments
 
 from kimi_hf import (KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor,
                      KimiHybridProcessor)
+from kimi_hf.chat import chat_stop_token_ids
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.optim import MuonClip, MuonClipCallback
-from kimi_hf.plotting import LossHistory
+from kimi_hf.plotting import LossHistory, save_loss_plot
 from kimi_hf.scenes import counting_accuracy, counting_examples
 from kimi_hf.tokenization import train_tokenizer
 
@@ -33,34 +35,13 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
                 num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
                 num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
                 num_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=2, linear_head_dim=hidden // 2,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+                eos_token_id=chat_stop_token_ids(tokenizer))  # replies stop at the turn end
     vision = dict(hidden_size=vision_hidden, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * vision_hidden,
                   pos_emb_height=side, pos_emb_width=side)
     config = KimiHybridConfig(text_config=text, vision_config=vision,
                               image_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
     return KimiHybridForConditionalGeneration(config)
-
-
-def plot(path, history, acc_per_count, chance):
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(history.steps, history.losses)
-    a.set(xlabel="step", ylabel="training loss (answer tokens)", title="loss")
-    b.bar(list(acc_per_count), list(acc_per_count.values()))
-    b.axhline(chance, color="gray", linestyle="--", label="chance")
-    b.set(xlabel="circles in the scene", ylabel="held-out accuracy", ylim=(0, 1), title="accuracy per count")
-    b.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"plot: {path}")
 
 
 def main(argv=None) -> float:
@@ -73,7 +54,7 @@ def main(argv=None) -> float:
     p.add_argument("--hidden", type=int, default=96)
     p.add_argument("--vision-hidden", type=int, default=64)
     p.add_argument("--image-size", type=int, default=84)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="data, initialisation and batch order (the accuracy varies)")
     p.add_argument("--out", default="outputs/multimodal")
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
@@ -91,7 +72,8 @@ def main(argv=None) -> float:
     history = LossHistory()
     targs = TrainingArguments(output_dir=os.path.join(args.out, "trainer"), per_device_train_batch_size=args.batch,
                               max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=20,
-                              logging_steps=10, report_to=[], remove_unused_columns=False, save_strategy="no",
+                              logging_steps=max(1, min(10, args.steps // 10)),  # a loss curve even for few steps
+                              report_to=[], remove_unused_columns=False, save_strategy="no",
                               use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, seed=args.seed)
     trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=KimiHybridVisionCollator(processor),
                       optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=args.lr, weight_decay=0.01, qk_clip_tau=100.0)),
@@ -103,9 +85,12 @@ def main(argv=None) -> float:
     print("\n| circles | held-out accuracy |\n|---|---|")
     for k, v in per_count.items():
         print(f"| {k} | {v:.2f} |")
-    print(f"\nheld-out accuracy {acc:.3f} (chance {chance:.2f}) on {len(held_out)} scenes never seen in training")
-    os.makedirs(args.out, exist_ok=True)
-    plot(os.path.join(args.out, "multimodal.png"), history, per_count, chance)
+    print(f"\nheld-out accuracy {acc:.3f} (seed {args.seed}; chance {chance:.2f}) on {len(held_out)} scenes never "
+          "seen in training")
+    # the package's own PNG writer (Pillow only): matplotlib is an optional extra
+    path = save_loss_plot(os.path.join(args.out, "multimodal.png"), history.steps, history.losses,
+                          title=f"training loss (answer tokens); held-out accuracy {acc:.3f}, seed {args.seed}")
+    print(f"loss plot: {path}")
     model.save_pretrained(os.path.join(args.out, "model"))
     processor.save_pretrained(os.path.join(args.out, "model"))
     print(f"model and processor: {os.path.join(args.out, 'model')}")

@@ -14,7 +14,8 @@ assigned documents one tool call per step, then answer; the orchestrator splits 
 with `--step-latency` seconds per model call standing in for generation time. It measures what the
 runtime adds: critical steps, wall time, and how a fixed step budget caps a serial agent. With
 --backend openai / transformers the same comparison runs with a real model choosing the tool calls.
-Traces (JSONL) are written to --out.
+Speed-ups are printed, beside the answers' quality, only when both runs finished. Traces (JSONL) are
+written to --out.
 """
 
 from __future__ import annotations
@@ -174,8 +175,16 @@ def main(argv=None) -> dict:
         print(f"| {label} | {r.status} | {m['critical_steps']} | {m['total_steps']} | {m['num_subagents']} | "
               f"{m['parallelism']:.2f} | {m['wall_time']:.2f} | {rows[label]['quality']:.2f} |")
     s, w = rows["single agent"], rows["swarm"]
-    print(f"\ncritical steps: {s['critical_steps'] / max(w['critical_steps'], 1):.1f}x fewer with the swarm; "
-          f"wall time {s['wall_time'] / max(w['wall_time'], 1e-9):.1f}x; traces in {args.out}/")
+    for label, r in (("single agent", serial), ("swarm", parallel)):
+        if r.error:
+            print(f"{label}: {r.error}")
+    qualities = f"quality {s['quality']:.2f} (single agent) vs {w['quality']:.2f} (swarm)"
+    if serial.status == parallel.status == "finished":
+        print(f"\ncritical steps: {s['critical_steps'] / max(w['critical_steps'], 1):.1f}x fewer with the swarm; "
+              f"wall time {s['wall_time'] / max(w['wall_time'], 1e-9):.1f}x; {qualities}; traces in {args.out}/")
+    else:  # a failed or cut-short run is fast for the wrong reason: its ratio is no speed-up
+        print(f"\nno speed-up reported: both runs must finish (single agent: {serial.status}, swarm: "
+              f"{parallel.status}); {qualities}; traces in {args.out}/")
     return rows
 
 

@@ -3,12 +3,14 @@ writer that needs only Pillow (an install requirement; matplotlib is not)."""
 
 from __future__ import annotations
 
+import io
 import math
 import os
-import tempfile
 
 from PIL import Image, ImageDraw
 from transformers import TrainerCallback
+
+from .models.kimi_hybrid.hub_kimi_hybrid import atomic_write
 
 
 class LossHistory(TrainerCallback):
@@ -26,7 +28,7 @@ class LossHistory(TrainerCallback):
 
 def save_loss_plot(path: str, steps: list[int], losses: list[float], title: str = "training loss",
                    size: tuple[int, int] = (640, 400)) -> str:
-    """A line plot of losses over steps as PNG (written to a temp file, then renamed). Returns path."""
+    """A line plot of losses over steps as PNG (written atomically, mode 0o666 & ~umask). Returns path."""
     if len(steps) != len(losses):
         raise ValueError(f"steps and losses differ in length: {len(steps)} vs {len(losses)}")
     if not steps:
@@ -61,17 +63,10 @@ def save_loss_plot(path: str, steps: list[int], losses: list[float], title: str 
         draw.line(points, fill=(31, 119, 180), width=2)
     for x, y in points if len(points) == 1 else []:
         draw.ellipse([x - 2, y - 2, x + 2, y + 2], fill=(31, 119, 180))
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=directory)
-    os.close(fd)
-    try:
-        img.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return path
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    png = io.BytesIO()
+    img.save(png, format="PNG")
+    return atomic_write(path, png.getvalue())
 
 
 __all__ = ["LossHistory", "save_loss_plot"]

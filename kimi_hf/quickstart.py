@@ -233,7 +233,7 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     print(f"generated for {TEXT_PROMPT!r}:\n    {text[:300]!r}")
     print(f"{QUESTION} ({image_path}, 3 circles + 1 square): model answers {answer!r}")
     print(f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f}; "
-          "counting needs ~1500 image-only steps: examples/multimodal_finetune.py reaches 0.82)")
+          "counting needs ~1500 image-only steps: examples/multimodal_finetune.py reaches 0.83-0.90 over seeds)")
     print(f"model + processor: {model_dir}\nloss plot:         {loss_plot}\nsummary:           {summary_path}")
     print(f"load it:  AutoModelForImageTextToText.from_pretrained({model_dir!r}) (trust_remote_code=True without kimi_hf)")
     return QuickstartResult(out, model_dir, loss_plot, summary_path, summary)

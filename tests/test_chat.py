@@ -21,7 +21,7 @@ from kimi_hf.scenes import render_scene
 from .models.kimi_hybrid.helpers import tiny_config, tiny_processor, tiny_tokenizer
 
 
-def reply_bias(tok, prompts: list[str], replies: list[str], context: int = 6) -> dict:
+def reply_bias(tok, prompts: list[str], replies: list[str], context: int = 12) -> dict:
     """sequence_bias that makes each prompt (text with the generation prompt) continue with its reply and
     then <|im_end|>; keyed on the prompt's last `context` tokens, so different prompts get different replies."""
     end = tok.convert_tokens_to_ids(TURN_END)

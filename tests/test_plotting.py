@@ -1,3 +1,5 @@
+import os
+import stat
 from types import SimpleNamespace
 
 import pytest
@@ -27,3 +29,14 @@ def test_loss_history_keeps_finite_losses():
     for step, logs in ((1, {"loss": 2.0}), (2, {"grad_norm": 1.0}), (3, {"loss": float("nan")}), (4, {"loss": "1.5"})):
         h.on_log(None, SimpleNamespace(global_step=step), None, logs=logs)
     assert (h.steps, h.losses) == ([1, 4], [2.0, 1.5])
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o027, 0o640)])
+def test_loss_plot_gets_normal_permissions(tmp_path, umask, mode):
+    """Written through a temp file (mkstemp's 0600) and renamed, but with open()'s mode under the umask."""
+    old = os.umask(umask)
+    try:
+        path = save_loss_plot(str(tmp_path / "loss.png"), [1, 2], [2.0, 1.0])
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(path).st_mode) == mode

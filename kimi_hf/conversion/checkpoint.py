@@ -7,11 +7,12 @@ import json
 import os
 import resource
 import shutil
-import tempfile
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from ..models.kimi_hybrid.hub_kimi_hybrid import make_temp_dir, set_normal_mode
 
 INDEX = "model.safetensors.index.json"
 
@@ -103,7 +104,7 @@ class ShardedWriter:
         parent = os.path.dirname(os.path.abspath(dst)) or "."
         os.makedirs(parent, exist_ok=True)
         self.dst, self.max_shard_bytes = dst, max_shard_bytes
-        self.tmp = tempfile.mkdtemp(prefix=".convert-", dir=parent)
+        self.tmp = make_temp_dir(parent, ".convert-")  # normal permissions: it becomes dst
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
         self.shards: list[list[str]] = []
@@ -134,6 +135,7 @@ class ShardedWriter:
             return
         path = os.path.join(self.tmp, f"shard-{len(self.shards):05d}.safetensors")
         save_file(self.current, path, metadata={"format": "pt"})
+        set_normal_mode(path)  # safetensors writes 0o600 (through its own temporary file)
         self.shards.append(list(self.current))
         self.current, self.current_bytes = {}, 0
 
@@ -142,7 +144,8 @@ class ShardedWriter:
             json.dump(obj, f, indent=2)
 
     def copy(self, src_file: str) -> None:
-        shutil.copy(src_file, self.tmp)
+        """Copies the contents only: the copy gets normal permissions, whatever the source's."""
+        shutil.copyfile(src_file, os.path.join(self.tmp, os.path.basename(src_file)))
 
     def finish(self) -> list[str]:
         """Names the shards model-0000k-of-0000N.safetensors (model.safetensors if one), writes the index

@@ -17,7 +17,8 @@ import re
 import torch
 
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
-from .kimi_linear import NATIVE, OURS, cast, convert_config, copy_side_files, native_to_ours
+from .kimi_linear import (NATIVE, OURS, cast, check_complete, check_source, convert_config, copy_side_files,
+                          expected_shapes, native_to_ours)
 
 _BLOCK = re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
 _BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2", "wo": "attn.proj"}
@@ -33,8 +34,21 @@ def interleaved_to_half(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, half, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def vision_tensors(name: str, t: torch.Tensor, num_heads: int):
-    """One K2.5 tensor -> (our name inside KimiHybridModel, tensor) pairs; [] for language-model tensors."""
+def vision_tensors(name: str, t: torch.Tensor, num_heads: int, file: str | None = None):
+    """One K2.5 tensor -> (our name inside KimiHybridModel, tensor) pairs; [] for language-model tensors.
+    Errors name the tensor as the checkpoint spells it (and its file, when given)."""
+    where = f"{name} (in {file})" if file else name
+    try:
+        out = _vision_tensors(name, t, num_heads)
+    except RuntimeError as err:  # e.g. a fused wqkv whose rows do not split into heads
+        raise ValueError(f"tensor {where} has shape {tuple(t.shape)}, which does not fit {num_heads} attention "
+                         f"heads: {err}") from None
+    if out is None:
+        raise ValueError(f"unknown tensor {where} in the K2.5 checkpoint: not part of its vision tower or projector")
+    return out
+
+
+def _vision_tensors(name: str, t: torch.Tensor, num_heads: int):
     n = name.removeprefix("model.")
     if n.startswith(("language_model.", "lm_head.")):
         return []
@@ -61,14 +75,14 @@ def vision_tensors(name: str, t: torch.Tensor, num_heads: int):
                      ("mm_projector.pre_norm.", "pre_norm.")):
         if n.startswith(old):
             return [(f"model.mm_projector.{new}{n[len(old):]}", t)]
-    raise ValueError(f"unknown tensor {name} in the K2.5 checkpoint: not part of its vision tower or projector")
+    return None  # not a tensor of the vision tower or projector
 
 
 def assemble(text_src: str, vision_src: str, dst: str, image_token_id: int | None = None, dtype: torch.dtype | None = None,
              max_shard_size: int = 5 << 30, show_progress: bool = True) -> dict:
     """Writes dst (must not exist): a KimiHybridForConditionalGeneration checkpoint made of text_src's
     decoder (ours or the native Kimi Linear naming) and vision_src's K2.5 tower + projector."""
-    from kimi_hf import KimiHybridConfig, KimiHybridVisionConfig
+    from kimi_hf import KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridVisionConfig
 
     text_cfg, k25_cfg = read_config(text_src), read_config(vision_src)
     if k25_cfg.get("model_type") != "kimi_k25" or "vision_config" not in k25_cfg:
@@ -86,28 +100,44 @@ def assemble(text_src: str, vision_src: str, dst: str, image_token_id: int | Non
     hidden, heads = config.text_config.hidden_size, vision_cfg.num_attention_heads
     notes = []
     text_reader, vision_reader = CheckpointReader(text_src), CheckpointReader(vision_src)
+    with torch.device("meta"):  # our tensor names and shapes, without memory
+        state = KimiHybridForConditionalGeneration(config).state_dict()
+    vision_expected = {k: tuple(v.shape) for k, v in state.items()
+                       if k.startswith(("model.vision_tower.", "model.mm_projector."))}
     with ShardedWriter(dst, max_shard_size) as writer:
         wanted = [n for n in vision_reader.names() if not n.removeprefix("model.").startswith(("language_model.", "lm_head."))]
         for name in progress(wanted, len(wanted), "vision", show_progress):
-            for new, t in vision_tensors(name, vision_reader.get(name), heads):
+            file, source = os.path.join(vision_src, vision_reader.file_of(name)), vision_reader.get(name)
+            for new, t in vision_tensors(name, source, heads, file):
                 if new.startswith("model.mm_projector.out_proj.") and t.shape[0] != hidden:
                     note = (f"K2.5's projector maps to {t.shape[0]} but the text hidden size is {hidden}: "
                             "mm_projector.out_proj is left out (initialised at load; train it)")
                     if note not in notes:
                         notes.append(note)
                     continue
+                if new not in vision_expected:
+                    raise ValueError(f"unknown tensor {name} (in {file}): not part of the vision tower or projector "
+                                     "of the config")
+                if tuple(t.shape) != vision_expected[new]:
+                    raise ValueError(f"tensor {name} (in {file}) has shape {tuple(source.shape)}, "
+                                     f"which does not fit the config (its {new} would be {tuple(t.shape)}, the config "
+                                     f"implies {vision_expected[new]})")
                 writer.add(new, cast(new, t, dtype))
         names = text_reader.names()
-        tensors = ((n, text_reader.get(n)) for n in names)
-        if text_cfg["model_type"] == NATIVE:
-            tensors = native_to_ours(tensors, config.text_config.linear_num_heads)
+        native, text_expected = text_cfg["model_type"] == NATIVE, expected_shapes(ours_text)
+        tensors = check_source(((n, text_reader.get(n)) for n in names), text_expected, text_reader, native=native)
+        if native:
+            tensors = native_to_ours(tensors, config.text_config.linear_num_heads, config.text_config.num_experts)
+        text_written = set()
         for name, t in progress(tensors, len(names), "text", show_progress):
+            text_written.add(name)
             writer.add(name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model."),
                        cast(name, t, dtype))
+        check_complete(text_written, text_expected, text_reader, native=native)
         out_cfg = config.to_dict()
         out_cfg["architectures"] = ["KimiHybridForConditionalGeneration"]
         writer.write_json("config.json", out_cfg)
-        copy_side_files(text_src, writer)
+        copy_side_files(text_src, writer, out_cfg["text_config"])
         shards = writer.finish()
     for note in notes:
         print(f"note: {note}")

@@ -89,7 +89,8 @@ def tiktoken_to_fast(model_file: str, config_file: str | None = None, pattern: s
     specials = [named.get(i, f"<|reserved_token_{i}|>") for i in range(n, n + RESERVED)]
     kwargs = {key: config[key] for key in ("bos_token", "eos_token", "pad_token", "unk_token")
               if isinstance(config.get(key), str) and config[key] in specials}
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, **kwargs)
+    # generation continues each row's right edge: batched pipelines use the saved padding side
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side=config.get("padding_side", "left"), **kwargs)
     fast.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in kwargs.values()]},
                             replace_extra_special_tokens=False)
     if fast.convert_tokens_to_ids(specials[0]) != n:

@@ -85,3 +85,30 @@ def test_cli_help():
     out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_k25_vision.py"), "--help"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and "--image-token-id" in out.stdout
+
+
+def test_wrong_tensors_are_named_as_the_checkpoints_spell_them(tmp_path):
+    """A mis-shaped K2.5 tensor is named by its K2.5 key and file (not by the name it would get in our
+    model), and a text checkpoint missing a tensor is refused instead of written incomplete."""
+    from safetensors.torch import load_file, save_file
+
+    k25_checkpoint(tmp_path / "k25", text_hidden=TINY["hidden_size"])
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "text")
+    shard = tmp_path / "k25" / "model.safetensors"
+    state = load_file(shard)
+    state["vision_tower.encoder.blocks.1.mlp.fc0.weight"] = torch.zeros(60, TINY_VISION["hidden_size"])
+    save_file(state, shard)
+    args = [str(tmp_path / "text"), str(tmp_path / "k25"), str(tmp_path / "mm"), "--image-token-id", "5",
+            "--no-progress"]
+    with pytest.raises(ValueError, match=r"tensor vision_tower\.encoder\.blocks\.1\.mlp\.fc0\.weight "
+                                         r"\(in .*k25/model\.safetensors\) has shape \(60, 32\)"):
+        tool.main(args)
+    k25_checkpoint(tmp_path / "k25", text_hidden=TINY["hidden_size"])  # intact again
+    shard = tmp_path / "text" / "model.safetensors"
+    state = load_file(shard)
+    del state["model.layers.2.mlp.shared_experts.up_proj.weight"]
+    save_file(state, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from .*text, e\.g\. "
+                                         r"\['model\.layers\.2\.mlp\.shared_experts\.up_proj"):
+        tool.main(args)
+    assert not (tmp_path / "mm").exists()

@@ -193,3 +193,80 @@ def test_transformers_in_memory_layout_converts_too(native_dir, tmp_path):
     x = torch.randint(3, 101, (1, 20), generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
         assert torch.allclose(_logits(tmp_path / "ours", KimiHybridForCausalLM, x), native(x).logits, atol=1e-4)
+
+
+def _variant(src, dst, edit):
+    """A copy of checkpoint src whose tensors went through edit(state) (in place)."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    state = load_file(src / "model.safetensors")
+    edit(state)
+    save_file(state, dst / "model.safetensors")
+    (dst / "config.json").write_text((src / "config.json").read_text())
+    return dst
+
+
+def _experts_removed(state, layer):
+    for key in [k for k in state if k.startswith(f"model.layers.{layer}.block_sparse_moe.experts.")]:
+        del state[key]
+
+
+L1, L2, L3 = "model.layers.1.block_sparse_moe", "model.layers.2.block_sparse_moe", "model.layers.3.block_sparse_moe"
+IN_FILE = r" \(in .*model\.safetensors\)"
+
+
+@pytest.mark.parametrize("case,edit,error", [
+    ("expert_shape", lambda s: s.update({f"{L1}.experts.2.w3.weight": torch.zeros(16, 31)}),
+     r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight" + IN_FILE
+     + r" has shape \(16, 31\), the config implies \(16, 32\)"),
+    ("shared_expert_shape", lambda s: s.update({f"{L2}.shared_experts.up_proj.weight": torch.zeros(8, 32)}),
+     r"tensor model\.layers\.2\.block_sparse_moe\.shared_experts\.up_proj\.weight" + IN_FILE + " has shape"),
+    ("a_log_shape", lambda s: s.update({"model.layers.0.self_attn.A_log": torch.zeros(1, 1, 3, 1)}),
+     r"tensor model\.layers\.0\.self_attn\.A_log" + IN_FILE
+     + r" has shape \(1, 1, 3, 1\), the config implies \(1, 1, 2, 1\) or \(2,\)"),
+    ("expert_beyond_config", lambda s: s.update({f"{L1}.experts.4.w1.weight": torch.zeros(16, 32)}),
+     r"unknown tensor model\.layers\.1\.block_sparse_moe\.experts\.4\.w1\.weight" + IN_FILE),
+    ("expert_missing", lambda s: s.pop(f"{L3}.experts.1.w2.weight"),
+     r"tensor model\.layers\.3\.block_sparse_moe\.experts\.1\.w2\.weight is missing"),
+    ("layer_experts_missing", lambda s: _experts_removed(s, 2),
+     r"missing .*model\.layers\.2\.block_sparse_moe\.experts\.0\.w1\.weight"),
+    ("shared_expert_missing", lambda s: s.pop(f"{L2}.shared_experts.down_proj.weight"),
+     r"missing .*'model\.layers\.2\.block_sparse_moe\.shared_experts\.down_proj\.weight'"),
+    ("two_spellings", lambda s: s.update({"model.layers.1.mlp.gate.weight": s[f"{L1}.gate.weight"].clone()}),
+     r"model\.layers\.1\.(block_sparse_moe|mlp)\.gate\.weight \(in .*\) and "
+     r"model\.layers\.1\.(mlp|block_sparse_moe)\.gate\.weight \(in .*\) are the same tensor"),
+])
+def test_errors_name_the_tensor_as_the_checkpoint_spells_it(native_dir, tmp_path, case, edit, error):
+    """Moonshot's naming (block_sparse_moe, per-expert w1/w2/w3, A_log [1, 1, H, 1]) is checked before
+    it is renamed or stacked: errors name the user's key and file, never our name for it."""
+    path, _ = native_dir
+    src = _variant(path, tmp_path / case, edit)
+    with pytest.raises(ValueError, match=error) as info:
+        convert_kimi_linear.main([str(src), str(tmp_path / "out"), "--no-progress"])
+    assert ".mlp.experts" not in str(info.value) and not (tmp_path / "out").exists()
+
+
+def test_converted_directory_and_files_get_normal_permissions(native_dir, tmp_path):
+    """The output is built in a temporary directory (mkdtemp: 0700) and renamed; safetensors writes its
+    files 0600; a side file may be private in SRC: all end up as mkdir / open would make them."""
+    import os
+    import shutil
+    import stat
+
+    path, native = native_dir
+    src = tmp_path / "src"
+    native.save_pretrained(src, max_shard_size="30KB")
+    shutil.copy(path / "generation_config.json", src / "generation_config.json")
+    os.chmod(src / "generation_config.json", 0o600)
+    old = os.umask(0o022)
+    try:
+        convert_kimi_linear.main([str(src), str(tmp_path / "out"), "--max-shard-size", "40KB", "--no-progress"])
+    finally:
+        os.umask(old)
+    out = tmp_path / "out"
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-"
+            f"{len(modes) - 3:05d}.safetensors"} <= set(modes)
+    assert modes == dict.fromkeys(modes, 0o644), modes

@@ -24,6 +24,7 @@ def write_kimi_tokenizer(folder):
             f.write(base64.b64encode(t) + b" " + str(r).encode() + b"\n")
     n = len(ranks)
     cfg = {"added_tokens_decoder": {str(n): {"content": "[BOS]", "special": True}, str(n + 1): {"content": "[EOS]", "special": True},
+                                    str(n + 2): {"content": "<|im_end|>", "special": True},
                                     str(n + 5): {"content": "<|media_pad|>", "special": True}},
            "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
@@ -38,7 +39,7 @@ def test_tiktoken_ranks_become_the_same_bpe(tmp_path):
     assert fast.decode(fast.encode("Hello World! 中文")) == "Hello World! 中文"
     assert fast.bos_token_id == n and fast.eos_token_id == n + 1
     assert fast.convert_tokens_to_ids("<|media_pad|>") == n + 5 and fast.encode("<|media_pad|>") == [n + 5]
-    assert fast.convert_tokens_to_ids(f"<|reserved_token_{n + 2}|>") == n + 2 and len(fast) == n + 256
+    assert fast.convert_tokens_to_ids(f"<|reserved_token_{n + 3}|>") == n + 3 and len(fast) == n + 256
     assert fast.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "hi"
 
 
@@ -57,3 +58,8 @@ def test_conversion_writes_tokenizer_json(native_dir, tmp_path):  # noqa: F811
     assert summary["fast_tokenizer"] and (tmp_path / "ours" / "tokenizer.json").exists()
     tok = AutoTokenizer.from_pretrained(tmp_path / "ours")
     assert tok.encode("hello world") == [259, 264]
+    assert tok.padding_side == "left"  # for batched generation
+    # chat turns end with <|im_end|>: the converted folder's generation config stops there as well as at EOS
+    eos = json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"]
+    eos = [eos] if isinstance(eos, int) else eos
+    assert tok.eos_token_id in eos and tok.convert_tokens_to_ids("<|im_end|>") in eos

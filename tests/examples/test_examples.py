@@ -23,11 +23,21 @@ def test_kda_prefill_decode(capsys):
 def test_multimodal_finetune(tmp_path, capsys):
     """A few Trainer steps end to end: data, tokenizer, MuonClip, held-out generation, plot, save.
     (The accuracy well above chance needs the default 1500 steps: see the example's docstring.)"""
+    import re
+
+    from PIL import Image
+
     acc = load("multimodal_finetune").main(["--steps", "4", "--train", "64", "--eval", "8", "--batch", "8",
-                                            "--out", str(tmp_path)])
-    assert 0.0 <= acc <= 1.0
+                                            "--seed", "3", "--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "held-out accuracy" in out
+    printed = re.search(r"held-out accuracy (\d\.\d{3}) \(seed 3; chance 0\.\d\d\) on 8 scenes", out)
+    assert printed is not None, out
+    assert float(printed.group(1)) == round(acc, 3) and acc * 8 == round(acc * 8)  # a share of the 8 scenes
+    plot = tmp_path / "multimodal.png"
+    assert f"loss plot: {plot}" in out and "matplotlib" not in out
+    with Image.open(plot) as img:  # a real PNG with the loss curve drawn (one logged loss per step here)
+        assert img.format == "PNG" and img.size == (640, 400)
+        assert (31, 119, 180) in set(img.convert("RGB").getdata())
     assert (tmp_path / "model" / "config.json").exists() and (tmp_path / "model" / "processor_config.json").exists()
 
 
@@ -39,7 +49,41 @@ def test_swarm_wide_search(tmp_path, capsys):
     assert (single["critical_steps"], swarm["critical_steps"]) == (9, 1 + 3 + 1)
     assert swarm["num_subagents"] == 4 and swarm["total_steps"] == 2 + 4 * 3
     assert (tmp_path / "serial.jsonl").exists() and (tmp_path / "swarm.jsonl").exists()
-    assert "| swarm | finished |" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "| swarm | finished |" in out
+    assert "critical steps: 1.8x fewer with the swarm; wall time " in out
+    assert "quality 1.00 (single agent) vs 1.00 (swarm)" in out
+
+
+def _refused_url():
+    """The URL of a local port nothing listens on: a real backend whose every request fails at once."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+def test_swarm_wide_search_reports_no_speed_up_for_failed_or_unfinished_runs(tmp_path, capsys):
+    """Runs that fail at their first step (or are cut short by the step budget) are fast for the wrong
+    reason: their time ratio ("5.6x" at quality 0) is not printed as a speed-up."""
+    example = load("swarm_wide_search")
+    rows = example.main(["--modules", "8", "--backend", "openai", "--model", "any", "--base-url", _refused_url(),
+                         "--out", str(tmp_path / "failed")])
+    out = capsys.readouterr().out
+    assert rows["single agent"]["status"] == rows["swarm"]["status"] == "error"
+    assert "x fewer" not in out and "wall time" not in out
+    assert "no speed-up reported: both runs must finish (single agent: error, swarm: error)" in out
+    assert "quality 0.00 (single agent) vs 0.00 (swarm)" in out and "single agent: BackendError" in out
+    # a budget of 2 steps per agent: the serial agent (8 reads + the answer) is cut short, the swarm's
+    # sub-agents (1 read + the answer) and orchestrator (assign + answer) are not
+    example.main(["--modules", "8", "--per-agent", "1", "--max-steps", "2", "--step-latency", "0", "--out",
+                  str(tmp_path / "budget")])
+    out = capsys.readouterr().out
+    assert ("no speed-up reported: both runs must finish (single agent: orchestrator_step_budget, "
+            "swarm: finished)") in out
+    assert "vs 1.00 (swarm)" in out and "x fewer" not in out
 
 
 def test_generate_streams_text_and_answers_about_an_image(quickstart_model, tmp_path, capsys):

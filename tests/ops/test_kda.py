@@ -289,3 +289,50 @@ def test_fused_gate_and_beta_sigmoid_equal_the_formulas(fn):
     assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(S, S_ref) <= 1e-6
     o.sum().backward()
     assert A_log.grad.abs().sum() > 0 and dt_bias.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_positive_or_nan_g_is_refused_on_cpu(fn):
+    """g is a log-decay: g > 0 overflowed the chunk path's exponentials into inf/NaN outputs, silently."""
+    q, k, v, g, beta = make_inputs(1, 70, 2, 8, 8, seed=5)
+    for bad in (0.5, float("nan")):
+        g_bad = g.clone()
+        g_bad[0, 40, 1, 3] = bad
+        with pytest.raises(ValueError, match=r"^g must be a log-decay"):
+            fn(q, k, v, g_bad, beta)
+    # with use_gate_in_kernel, g is the raw forget input: positive values are valid
+    o, _ = fn(q, k, v, g.abs() * 3, beta, use_gate_in_kernel=True, A_log=torch.zeros(2))
+    assert torch.isfinite(o).all()
+
+
+def _small_inputs():
+    q, k, v, g, beta = make_inputs(1, 16, 2, 8, 8, seed=6)
+    return q, k, v, g, beta, torch.tensor([0, 5, 16])
+
+
+def test_value_checks_do_not_break_compile_or_export():
+    """The checks that read tensor values (g <= 0, cu_seqlens) are skipped while tracing: fullgraph
+    compile and export of the op succeed. (With cu_seqlens the packed layout itself is
+    data-dependent, so the input checks are compiled on their own there.)"""
+    q, k, v, g, beta, cu = _small_inputs()
+    torch._dynamo.reset()
+
+    def reference(q, k, v, g, beta):
+        return chunk_kda(q, k, v, g, beta, backend="reference")[0]
+
+    compiled = torch.compile(reference, fullgraph=True, backend="eager")(q, k, v, g, beta)
+    assert torch.allclose(compiled, reference(q, k, v, g, beta), atol=1e-6)
+
+    class Op(torch.nn.Module):
+        def forward(self, q, k, v, g, beta):
+            return chunk_kda(q, k, v, g, beta)[0]
+
+    exported = torch.export.export(Op(), (q, k, v, g, beta)).module()
+    assert torch.allclose(exported(q, k, v, g, beta), Op()(q, k, v, g, beta), atol=1e-6)
+
+    def checks(q, k, v, g, beta, cu):
+        scale, n = kda_mod._check_inputs(q, k, v, g, beta, None, None, cu, None)
+        return q * scale + n
+
+    assert torch.equal(torch.compile(checks, fullgraph=True, backend="eager")(q, k, v, g, beta, cu), q * 8**-0.5 + 2)
+    torch._dynamo.reset()

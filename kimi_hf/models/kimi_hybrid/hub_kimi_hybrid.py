@@ -3,15 +3,22 @@
 `save_pretrained` / `push_to_hub` of the models in this folder (through `RemoteCodeMixin`) write
 the config's auto_map, copy this folder's code files next to the weights (they import only torch,
 transformers and each other) and write a model card (README.md) unless one exists.
+
+It also holds the package's atomic-write helpers (`atomic_write`, `make_temp_dir`): files and
+directories are written through temporary ones and renamed, yet get the permissions open() / mkdir()
+would give them (0o666 / 0o777 & ~umask), not mkstemp's / mkdtemp's private 0o600 / 0o700.
+kimi_hf.plotting and kimi_hf.conversion use them too (this folder cannot import from outside it).
 """
 
 from __future__ import annotations
 
+import json
 import os
-import shutil
 import tempfile
+import threading
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+_UMASK_LOCK = threading.Lock()
 
 AUTO_MAPS = {
     "kimi_hybrid_text": {
@@ -37,13 +44,77 @@ def code_files() -> list[str]:
     return sorted(os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".py") and f != "__init__.py")
 
 
+# --------------------------------------------------------------------------------------------
+# Atomic writes with normal permissions (the one place for them: plotting and conversion use these too)
+# --------------------------------------------------------------------------------------------
+def current_umask() -> int:
+    """The process umask. Linux reports it in /proc/self/status; elsewhere it can only be read by
+    setting it, so it is set and restored under a lock (other threads may still race with that)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return mask
+
+
+def normal_mode(directory: bool = False) -> int:
+    """The mode open() / mkdir() would give a new file (0o666) or directory (0o777) under the umask:
+    mkstemp / mkdtemp create theirs private (0o600 / 0o700)."""
+    return (0o777 if directory else 0o666) & ~current_umask()
+
+
+def atomic_write(path: str, data: bytes | str) -> str:
+    """Writes data (str as UTF-8) to path through a temporary file in the same directory and a
+    rename, so that readers never see a partial file; the file gets `normal_mode()`. Returns path."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data.encode("utf-8") if isinstance(data, str) else data)
+            os.fchmod(f.fileno(), normal_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def set_normal_mode(path: str) -> None:
+    """Gives a file written by another library through a temporary file (safetensors >= 0.8 writes
+    0o600 weights) the mode open() would have given it."""
+    os.chmod(path, normal_mode(directory=os.path.isdir(path)))
+
+
+def weight_files(save_directory: str) -> list[str]:
+    """The safetensors weights of a saved folder: model.safetensors or the shards its index lists."""
+    names = {"model.safetensors"}
+    index = os.path.join(save_directory, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            names |= set(json.load(f)["weight_map"].values())
+    return sorted(p for p in (os.path.join(save_directory, n) for n in names) if os.path.isfile(p))
+
+
+def make_temp_dir(parent: str, prefix: str) -> str:
+    """A new temporary directory in parent (to be renamed into place later) with `normal_mode(True)`."""
+    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
+    os.chmod(tmp, normal_mode(directory=True))
+    return tmp
+
+
 def copy_code(save_directory: str) -> None:
-    """Copies the code files into save_directory (each through a temporary file and a rename)."""
+    """Copies the code files into save_directory (each atomically, with normal permissions)."""
     for path in code_files():
-        fd, tmp = tempfile.mkstemp(dir=save_directory, suffix=".tmp")
-        os.close(fd)
-        shutil.copyfile(path, tmp)
-        os.replace(tmp, os.path.join(save_directory, os.path.basename(path)))
+        with open(path, "rb") as f:
+            atomic_write(os.path.join(save_directory, os.path.basename(path)), f.read())
 
 
 def _count(module) -> int:
@@ -118,12 +189,12 @@ class RemoteCodeMixin:
         super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True) or not os.path.isdir(save_directory):
             return
+        for path in weight_files(str(save_directory)):  # safetensors writes them 0o600
+            set_normal_mode(path)
         copy_code(str(save_directory))
         card = os.path.join(save_directory, "README.md")
         if not os.path.exists(card):
-            with open(card + ".tmp", "w", encoding="utf-8") as f:
-                f.write(model_card(self))
-            os.replace(card + ".tmp", card)
+            atomic_write(card, model_card(self))
         if push_to_hub:
             upload(str(save_directory), hub.pop("repo_id", os.path.basename(os.path.abspath(save_directory))),
                    token=kwargs.get("token"), **hub)
@@ -137,4 +208,5 @@ class RemoteCodeMixin:
                           create_pr=create_pr, revision=revision)
 
 
-__all__ = ["RemoteCodeMixin", "AUTO_MAPS", "copy_code", "model_card", "upload"]
+__all__ = ["RemoteCodeMixin", "AUTO_MAPS", "atomic_write", "copy_code", "make_temp_dir", "model_card", "normal_mode",
+           "set_normal_mode", "upload", "weight_files"]

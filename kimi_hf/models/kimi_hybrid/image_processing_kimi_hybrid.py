@@ -10,6 +10,9 @@ of patch_size * merge_size; rescale by 1/255; normalise with mean = std = 0.5; c
 
 from __future__ import annotations
 
+import base64
+import binascii
+import io
 import math
 import os
 
@@ -19,11 +22,42 @@ from PIL import Image
 from transformers.image_processing_utils import BaseImageProcessor, BatchFeature
 
 
+def _read_data_url(url: str, index: int) -> Image.Image:
+    """A `data:image/...;base64,...` URL (as OpenAI-style chat requests send images) -> the decoded image."""
+    head, _, payload = url.partition(",")
+    if not head.endswith(";base64"):
+        raise ValueError(f"images[{index}]: only base64 data: URLs are supported, got {head[:40]!r}")
+    try:
+        data = base64.b64decode(payload, validate=True)
+        with Image.open(io.BytesIO(data)) as im:
+            im.load()
+            return im.copy()
+    except (OSError, SyntaxError, ValueError, EOFError, binascii.Error) as err:
+        raise ValueError(f"images[{index}]: cannot decode the image of data URL {head[:40]!r}...: {err}") from err
+
+
+def _read_image_file(path, index: int) -> Image.Image:
+    """Decodes an image file (or a base64 data: URL) completely (PIL decodes lazily: a truncated file would
+    otherwise fail later, with an error that does not name it). Remote URLs are refused: nothing is downloaded."""
+    if isinstance(path, str) and path.startswith("data:"):
+        return _read_data_url(path, index)
+    if isinstance(path, str) and path.startswith(("http://", "https://")):
+        raise ValueError(f"images[{index}]: {path!r} is a remote URL; pass a local path, a data: URL or a PIL image "
+                         "(images are not downloaded)")
+    try:
+        with Image.open(path) as im:
+            im.load()
+            return im.copy()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        raise  # these name the path already
+    except (OSError, SyntaxError, ValueError, EOFError, Image.DecompressionBombError) as err:  # truncated, corrupt
+        raise ValueError(f"images[{index}]: cannot read image file {os.fspath(path)!r}: {err}") from err
+
+
 def _to_rgb_uint8(image, index: int) -> np.ndarray:
     """Any supported image -> [H, W, 3] uint8. Grayscale is replicated, alpha composited over white."""
     if isinstance(image, (str, os.PathLike)):
-        with Image.open(image) as im:
-            image = im.copy()
+        image = _read_image_file(image, index)
     if isinstance(image, Image.Image):
         if image.width == 0 or image.height == 0:
             raise ValueError(f"images[{index}] is empty ({image.width} x {image.height} pixels)")

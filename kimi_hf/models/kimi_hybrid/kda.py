@@ -5,7 +5,8 @@ Per head, with a state S of shape [K, V] kept in fp32:
     S_t = (I - beta_t k_t k_t^T) Diag(exp(g_t)) S_{t-1} + beta_t k_t v_t^T
     o_t = S_t^T (scale * q_t)
 
-`g_t` [K] is a per-channel log-decay (<= 0), `beta_t` one scalar per head and token.
+`g_t` [K] is a per-channel log-decay (<= 0), `beta_t` one scalar per head and token. Checks that
+read tensor values (g <= 0, cu_seqlens) run eagerly only, never under torch.compile / torch.export.
 
 Paths (see `chunk_kda`'s `backend`):
 - "reference": the plain token loop, one sequence at a time (ground truth for tests);
@@ -71,6 +72,23 @@ def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None 
 # --------------------------------------------------------------------------------------------
 # Input checks
 # --------------------------------------------------------------------------------------------
+def _values_unknown(x: torch.Tensor) -> bool:
+    """Whether x's values cannot be read: under torch.compile / torch.export (dynamo and non-strict),
+    torch.jit tracing or fake tensors. Checks that read values (`.tolist()`, `bool(tensor)`) are
+    skipped there: they would break the graph, or fail on data-dependent guards."""
+    if torch.compiler.is_compiling() or torch.jit.is_tracing():  # first: dynamo must not trace is_fake
+        return True
+    return _is_fake(x) or x.device.type == "meta"
+
+
+def _is_fake(x: torch.Tensor) -> bool:
+    try:
+        from torch._subclasses.fake_tensor import is_fake
+    except ImportError:  # a torch without fake tensors
+        return False
+    return is_fake(x)
+
+
 def _check_fusions(q, gate_args) -> None:
     """Checks A_log [H] and dt_bias [H * K] (or [H, K]) of the fused gate (use_gate_in_kernel)."""
     use_gate, A_log, dt_bias = gate_args
@@ -128,13 +146,22 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, g
             raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
         if B != 1:
             raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got B = {B}")
-        cu = cu_seqlens.tolist()
-        if cu[0] != 0 or cu[-1] != T:
-            raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu[0]} ... {cu[-1]}")
-        if any(b < a for a, b in zip(cu, cu[1:])):
-            raise ValueError("cu_seqlens must be non-decreasing")
-        N = len(cu) - 1
+        N = cu_seqlens.numel() - 1
+        if not _values_unknown(cu_seqlens):
+            cu = cu_seqlens.tolist()
+            if cu[0] != 0 or cu[-1] != T:
+                raise ValueError(f"cu_seqlens must start at 0 and end at T = {T}, got {cu[0]} ... {cu[-1]}")
+            if any(b < a for a, b in zip(cu, cu[1:])):
+                raise ValueError("cu_seqlens must be non-decreasing")
     _check_fusions(q, gate_args)
+    # g > 0 grows the state and overflows the chunk path's exponentials (it assumes G non-increasing):
+    # refused where the check is cheap (CPU; on CUDA it would be a host sync per call). With
+    # use_gate_in_kernel, g is the raw forget input and any value is valid.
+    if not gate_args[0] and g.device.type == "cpu" and g.numel() and not _values_unknown(g):
+        top = g.detach().max().item()  # a reduction, no [B, T, H, K] temporary; NaN propagates
+        if not top <= 0:
+            raise ValueError(f"g must be a log-decay (every value <= 0, no NaN), got a maximum of {top}; pass raw "
+                             "forget inputs with use_gate_in_kernel=True, or compute g with kda_gate")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
@@ -596,7 +623,10 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     """Kimi Delta Attention over whole sequences (training, prefill).
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (<= 0); beta: [B, T, H].
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H].
+        g: [B, T, H, K] log-decay, every value <= 0 (the forget input f with use_gate_in_kernel=True:
+            any value). CPU tensors are checked (ValueError). CUDA tensors are not (it would cost a host
+            sync per call): there g > 0 or NaN gives non-finite outputs and states, silently.
         scale: query scale, default K ** -0.5.
         initial_state: [N, H, K, V] float32, N = B (or the number of sequences with cu_seqlens).
         output_final_state: also return the state after each sequence.

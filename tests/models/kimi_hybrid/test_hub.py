@@ -5,6 +5,7 @@ cache; the model card."""
 import json
 import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -104,3 +105,16 @@ def test_push_to_hub_uploads_weights_code_and_our_card(tmp_path, monkeypatch):
     uploaded.clear()
     KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "x", push_to_hub=True, repo_id="me/tiny-kimi")
     assert "kda.py" in uploaded["files"] and "| 3 | MLA | MoE |" in uploaded["card"]
+
+
+def test_saved_code_and_card_get_normal_permissions(tmp_path):
+    """The copied code files and the model card are written atomically (mkstemp: 0600) but end up
+    0644 under umask 022, as config.json and the weights do."""
+    old = os.umask(0o022)
+    try:
+        KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "saved")
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / "saved").iterdir()}
+    assert "kda.py" in modes and "README.md" in modes and "config.json" in modes
+    assert modes == dict.fromkeys(modes, 0o644), modes  # no temp file left either: every name is a real file

@@ -85,3 +85,34 @@ def test_bad_settings_raise_and_settings_round_trip(tmp_path):
 
     loaded = AutoImageProcessor.from_pretrained(tmp_path)
     assert isinstance(loaded, KimiHybridImageProcessor) and loaded.max_patches == 1000
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not_an_image"])
+def test_unreadable_image_file_raises_naming_it(tmp_path, damage):
+    """PIL decodes lazily: a truncated PNG failed later with "image file is truncated" and no file name."""
+    import re
+
+    path = tmp_path / "scene.png"
+    rgb(64, 64, seed=3).save(path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if damage == "truncated" else b"hello, not a PNG")
+    with pytest.raises(ValueError, match=r"images\[1\]: cannot read image file .*" + re.escape(str(path))):
+        KimiHybridImageProcessor()(images=[rgb(28, 28), path])
+
+
+def test_data_urls_decode_and_remote_urls_are_refused():
+    """`kimi-hf serve` hands OpenAI `image_url` parts (data: URLs) to the processor as strings."""
+    import base64
+    import io
+
+    image = rgb(56, 28, seed=4)
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    proc = KimiHybridImageProcessor()
+    a, b = proc(images=[url], return_tensors="pt"), proc(images=[image], return_tensors="pt")
+    assert torch.equal(a["pixel_values"], b["pixel_values"]) and a["image_grid_thw"].tolist() == [[1, 4, 2]]
+    with pytest.raises(ValueError, match=r"images\[0\]: cannot decode the image of data URL"):
+        proc(images=["data:image/png;base64,aGVsbG8="])
+    with pytest.raises(ValueError, match="remote URL"):
+        proc(images=["https://example.com/cat.png"])

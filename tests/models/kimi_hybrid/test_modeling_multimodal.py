@@ -88,16 +88,13 @@ def test_generate_encodes_images_once_and_matches_full_forwards(setup):
 
 def test_batched_generation_with_left_padding_and_different_image_counts(setup):
     model, proc = setup
-    proc.tokenizer.padding_side = "left"
-    try:
-        texts = [prompt(proc, "two?", images=2), prompt(proc, "one?")]
-        images = [img(56, 56, 3), img(28, 56, 4), img(56, 28, 5)]
-        batch = proc(images=images, text=texts, padding=True)
-        out = model.generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
-        singles = [model.generate(**proc(images=ims, text=t), max_new_tokens=4, do_sample=False)[0, -4:]
-                   for t, ims in zip(texts, [images[:2], images[2:]])]
-    finally:
-        proc.tokenizer.padding_side = "right"
+    assert proc.tokenizer.padding_side == "left"  # train_tokenizer's default, for generation
+    texts = [prompt(proc, "two?", images=2), prompt(proc, "one?")]
+    images = [img(56, 56, 3), img(28, 56, 4), img(56, 28, 5)]
+    batch = proc(images=images, text=texts, padding=True)
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
+    singles = [model.generate(**proc(images=ims, text=t), max_new_tokens=4, do_sample=False)[0, -4:]
+               for t, ims in zip(texts, [images[:2], images[2:]])]
     assert torch.equal(out[0], singles[0]) and torch.equal(out[1], singles[1])
 
 

@@ -139,9 +139,9 @@ def main(argv=None):
     for backward in (False, True):
         mode = "forward+backward" if backward else "forward"
         print(f"\n## {mode}")
-        print("| T | ours ms | hf chunk ms | hf loop ms | spread | ours MB | hf chunk MB | hf loop MB | vs hf chunk "
-              "| vs hf loop |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        memory = "" if args.no_memory else " ours MB | hf chunk MB | hf loop MB |"
+        print(f"| T | ours ms | hf chunk ms | hf loop ms | spread |{memory} vs hf chunk | vs hf loop |")
+        print("|---" * (7 if args.no_memory else 10) + "|")
         mode_times = {}
         for T in args.T:
             res = {}
@@ -159,8 +159,9 @@ def main(argv=None):
                 mode_times[f"T={T} {impl}"] = t
             ours_times[(backward, T)] = res["ours"][0]
             (to, mo), (tc, mc), (tl, ml) = (res[i] for i in IMPLS)
-            print(f"| {T} | {to.ms:.1f} | {tc.ms:.1f} | {tl.ms:.1f} | {spread_cell(to, tc, tl)} | {mo:.0f} | {mc:.0f} "
-                  f"| {ml:.0f} | {tc.median / to.median:.1f}x | {tl.median / to.median:.1f}x |", flush=True)
+            mb = "" if args.no_memory else f" {mo:.0f} | {mc:.0f} | {ml:.0f} |"
+            print(f"| {T} | {to.ms:.1f} | {tc.ms:.1f} | {tl.ms:.1f} | {spread_cell(to, tc, tl)} |{mb} "
+                  f"{tc.median / to.median:.1f}x | {tl.median / to.median:.1f}x |", flush=True)
         warn(spread_warning(mode_times, f"{mode} timings"))
         all_times.update({f"{k} ({'fwd+bwd' if backward else 'fwd'})": v for k, v in mode_times.items()})
     lo, hi = (2048, 8192) if {2048, 8192} <= set(args.T) else (min(args.T), max(args.T))

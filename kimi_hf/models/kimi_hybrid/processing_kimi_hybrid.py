@@ -8,6 +8,9 @@ writes the image features into exactly those positions.
 
 from __future__ import annotations
 
+import os
+
+from transformers import GenerationConfig
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
@@ -85,10 +88,6 @@ def chat_stop_token_ids(tokenizer) -> list[int]:
 def stop_at_turn_end(save_directory, tokenizer) -> None:
     """Adds the turn end to the eos ids of the generation_config.json in save_directory (if there is one):
     a folder whose chat template ends turns with <|im_end|> must also stop generating there."""
-    import os
-
-    from transformers import GenerationConfig
-
     if not os.path.isfile(os.path.join(save_directory, "generation_config.json")):
         return
     config = GenerationConfig.from_pretrained(save_directory)

@@ -8,8 +8,6 @@
   cannot be cropped or rewound (transformers refuses `crop` on such layers).
 """
 
-from __future__ import annotations
-
 import torch
 from transformers.cache_utils import DynamicCache, LinearAttentionCacheLayerMixin
 

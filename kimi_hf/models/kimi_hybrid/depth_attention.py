@@ -9,8 +9,6 @@ about three times as many passes and temporaries (norm masks, per-source product
 weights and the sums are fp32 whatever the sources' dtype.
 """
 
-from __future__ import annotations
-
 import torch
 from torch.autograd.function import once_differentiable
 

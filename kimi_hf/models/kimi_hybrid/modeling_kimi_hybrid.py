@@ -8,8 +8,6 @@ Packed inputs (several documents per row, position_ids restarting at 0, no atten
 as variable-length sequences and mask MLA per document: nothing leaks across documents.
 """
 
-from __future__ import annotations
-
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,6 +43,22 @@ LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_m
 _ABSORBED_MAX_TOKENS = 16
 # Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
 _RECURRENT_MAX_TOKENS = 8
+
+
+class KeepFP32Mixin:
+    """Keeps the tensors named in `_fp32_tensors` in fp32 through `model.to(dtype)` / `.half()` / `.bfloat16()`
+    (from_pretrained(dtype=...) keeps them through `_keep_in_fp32_modules_strict`): decays, gates and the
+    router bias rounded to bf16 change what the model computes (a bf16 decay near 1 never forgets)."""
+
+    _fp32_tensors: tuple[str, ...] = ()
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        for name in self._fp32_tensors:
+            t = getattr(self, name)
+            if t is not None and t.is_floating_point() and t.dtype != torch.float32:
+                t.data = t.data.float()
+        return self
 
 
 class KimiHybridRMSNorm(nn.Module):
@@ -127,9 +141,11 @@ def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None 
     return F.silu(y)
 
 
-class KimiHybridShortConv(nn.Conv1d):
-    """KDA's depthwise causal convolution (weight [D, 1, W], Conv1d's layout and state-dict name) run by
-    `short_conv`: called as a module, so that accelerate's offload hooks load its weight first."""
+class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
+    """KDA's depthwise causal convolution (weight [D, 1, W], Conv1d's layout and state-dict name, kept fp32)
+    run by `short_conv`: called as a module, so that accelerate's offload hooks load its weight first."""
+
+    _fp32_tensors = ("weight",)
 
     def __init__(self, dim: int, kernel_size: int):
         super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
@@ -138,7 +154,7 @@ class KimiHybridShortConv(nn.Conv1d):
         return short_conv(x, self.weight, left, pos_in_doc)
 
 
-class KimiDeltaAttention(nn.Module):
+class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
     """Kimi Delta Attention layer (SPEC 1.2):
         q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
         g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
@@ -146,6 +162,7 @@ class KimiDeltaAttention(nn.Module):
     """
 
     qk_clip_exempt = True  # q and k are L2-normalised: logits are bounded by the scale, no QK-Clip
+    _fp32_tensors = ("A_log", "dt_bias")
 
     def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
         super().__init__()
@@ -321,12 +338,14 @@ class KimiHybridMLA(nn.Module):
         key = torch.cat([k_nope, k_rope.expand(B, self.num_heads, S, -1)], dim=-1)
         return key, value
 
-    def absorbed_attention(self, query, latent, k_rope, attention_mask):
+    def absorbed_attention(self, query, latent, k_rope, attention_mask, filled=None):
         """Decoding without expanding the cache: kv_b_proj is folded into the query and the output,
         q_nope . (W_k c_j) = (W_k^T q_nope) . c_j and sum_j p_j W_v c_j = W_v sum_j p_j c_j, so each
         head attends over the shared latent [S, kv_lora_rank + rope] (MQA-like): O(S * rank) per
         step instead of running kv_b_proj over all S cached tokens.
-        query [B, H, T, qk]; latent [B, 1, S, R]; k_rope [B, 1, S, rope] -> [B, T, H, v]."""
+        query [B, H, T, qk]; latent [B, 1, S, R]; k_rope [B, 1, S, rope] -> [B, T, H, v]. filled: how many of
+        the S cached positions hold tokens (an int or a 0-d tensor; a pre-allocated StaticCache is longer than
+        that), the new T tokens being the last of them; None: all S."""
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
@@ -334,8 +353,10 @@ class KimiHybridMLA(nn.Module):
         k = torch.cat([latent, k_rope], dim=-1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [B, H, T, S]
         T, S = scores.shape[-2:]
-        if attention_mask is None and T > 1:  # sdpa may skip the mask; the new tokens are causal
-            attention_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if attention_mask is None:  # sdpa may skip the mask: the new tokens are causal, within the filled length
+            filled = S if filled is None else filled
+            rows = torch.arange(T, device=q.device)[:, None] + (filled - T)
+            attention_mask = torch.arange(S, device=q.device)[None, :] <= rows  # no host sync for a tensor `filled`
         if attention_mask is not None:
             mask = attention_mask[..., :S]
             if mask.dtype == torch.bool:  # sdpa-style masks: True = attend
@@ -359,7 +380,9 @@ class KimiHybridMLA(nn.Module):
             # accelerate's offload hooks (they load a weight only when its module is called)
             if T <= _ABSORBED_MAX_TOKENS < latent.shape[2] and type(self.kv_b_proj) is nn.Linear \
                     and not hasattr(self.kv_b_proj, "_hf_hook") and not kwargs.get("output_attentions"):
-                return self.o_proj(self.absorbed_attention(query, latent, k_rope, attention_mask).reshape(B, T, -1)), None
+                filled = past_key_values.layers[self.layer_idx].get_seq_length()
+                out = self.absorbed_attention(query, latent, k_rope, attention_mask, filled)
+                return self.o_proj(out.reshape(B, T, -1)), None
         key, value = self.expand_latent(latent, k_rope)
         impl = self.config._attn_implementation
         # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
@@ -398,10 +421,13 @@ class KimiHybridMLP(nn.Module):
         return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
-class KimiHybridRouter(nn.Module):
+class KimiHybridRouter(KeepFP32Mixin, nn.Module):
     """DeepSeek-V3 noaux_tc router: fp32 logits, sigmoid scores, experts chosen on scores +
     e_score_correction_bias (within the best topk_group groups), weighted by the uncorrected scores
-    of the chosen experts (renormalised if norm_topk_prob) times routed_scaling_factor."""
+    of the chosen experts (renormalised if norm_topk_prob) times routed_scaling_factor. The weight and
+    the bias stay fp32."""
+
+    _fp32_tensors = ("weight", "e_score_correction_bias")
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
@@ -411,17 +437,22 @@ class KimiHybridRouter(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
 
-    def forward(self, x: torch.Tensor):
-        """x [N, hidden] -> router_logits [N, E] fp32, weights [N, k] fp32, expert indices [N, k]."""
-        logits = F.linear(x.float(), self.weight.float())
-        scores = logits.sigmoid()
+    def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """router_logits [N, E] -> sigmoid scores [N, E] fp32, the chosen experts [N, k] (the one place the
+        choice is made: the forward and the load-balancing loss both call it)."""
+        scores = logits.float().sigmoid()
         choice = scores + self.e_score_correction_bias.float()
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
             keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
             choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
-        indices = choice.topk(self.top_k, dim=-1).indices
+        return scores, choice.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor):
+        """x [N, hidden] -> router_logits [N, E] fp32, weights [N, k] fp32, expert indices [N, k]."""
+        logits = F.linear(x.float(), self.weight.float())
+        scores, indices = self.select(logits)
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -587,6 +618,10 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _is_stateful = True
+    # decays, gates, short convs and the router stay fp32 under from_pretrained(dtype=bf16 / fp16), as
+    # Kimi-Linear's checkpoints store them (model.to(dtype) keeps them too: KeepFP32Mixin)
+    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "e_score_correction_bias",
+                                    "gate.weight"]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiHybridRouter, index=0),
         "hidden_states": KimiHybridDecoderLayer,
@@ -647,14 +682,17 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             position_ids = (torch.arange(T, device=inputs_embeds.device) + past_seen).unsqueeze(0)
         elif attention_mask is None and past_seen == 0:
             packed = PackedSequences.from_position_ids(position_ids, B)
-        # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
-        mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
-        present = set(self.config.layer_types)  # the causal mask needs attention layers in the cache (none if all-KDA)
-        masks = {}
-        if "full_attention" in present:
-            masks["full_attention"] = create_causal_mask(*mask_args, position_ids=position_ids)
-        if "linear_attention" in present:
-            masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
+        if isinstance(attention_mask, dict):  # {layer_type: mask} built by generate() for compileable caches
+            masks = attention_mask
+        else:
+            # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
+            mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
+            present = set(self.config.layer_types)  # the causal mask needs attention layers in the cache
+            masks = {}
+            if "full_attention" in present:
+                masks["full_attention"] = create_causal_mask(*mask_args, position_ids=position_ids)
+            if "linear_attention" in present:
+                masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
 
         hidden_states = inputs_embeds
         if self.config.attn_residual_blocks() is None:
@@ -691,14 +729,21 @@ def _cached_length(cache: Cache | None) -> int:
         return int(any(any(getattr(layer, "has_previous_state", {}).values()) for layer in cache.layers))
 
 
-def router_load_balancing_loss(router_logits, top_k: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Switch-style auxiliary loss for sigmoid routers: E * sum_e f_e * P_e, with f_e the fraction of
-    (non-padding) token slots routed to expert e and P_e its mean normalised score, over all MoE layers."""
-    logits = torch.cat([r.float() for r in router_logits], dim=0)  # [L * N, E]
-    E = logits.shape[-1]
-    probs = logits.sigmoid()
-    probs = probs / probs.sum(-1, keepdim=True)
-    chosen = F.one_hot(probs.topk(top_k, dim=-1).indices, E).sum(1).float() / top_k  # [L * N, E]
+def router_load_balancing_loss(router_logits, routers, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-style auxiliary loss for sigmoid routers over all MoE layers: E * sum_e f_e * P_e, with f_e the
+    fraction of (non-padding) token slots routed to expert e (the experts each layer's router actually chose:
+    correction bias and group limits included, through `KimiHybridRouter.select`) and P_e its mean normalised
+    score. router_logits: one [N, E] tensor per MoE layer run, in order; routers: the layers' routers."""
+    if len(router_logits) % len(routers):
+        raise ValueError(f"{len(router_logits)} router_logits for {len(routers)} MoE layers")
+    routers = routers * (len(router_logits) // len(routers))
+    chosen, probs = [], []
+    for logits, router in zip(router_logits, routers):
+        scores, indices = router.select(logits.to(router.e_score_correction_bias.device))
+        E = scores.shape[-1]
+        chosen.append(F.one_hot(indices, E).sum(1).float() / indices.shape[1])
+        probs.append(scores / scores.sum(-1, keepdim=True))
+    chosen, probs = torch.cat(chosen), torch.cat(probs)  # [L * N, E]
     if attention_mask is not None and attention_mask.ndim == 2:
         keep = attention_mask.reshape(-1).to(probs.device).repeat(len(router_logits)).float()[:, None]
         if keep.shape[0] == probs.shape[0]:
@@ -744,7 +789,8 @@ def lm_output(model: PreTrainedModel, outputs: MoeModelOutputWithPast, text_conf
     if labels is not None:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
     if output_router_logits and outputs.router_logits:
-        aux_loss = router_load_balancing_loss(outputs.router_logits, text_config.num_experts_per_tok, attention_mask)
+        routers = [m for m in model.modules() if isinstance(m, KimiHybridRouter)]
+        aux_loss = router_load_balancing_loss(outputs.router_logits, routers, attention_mask)
         if loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,

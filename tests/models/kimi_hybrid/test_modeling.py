@@ -194,7 +194,7 @@ def test_bf16_forward_is_finite_and_close():
         out = model.to(torch.bfloat16)(x).logits
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
     assert rel_err(out.float(), ref) < 2e-2
-    assert model.model.layers[0].self_attn.A_log.dtype == torch.bfloat16  # .to() casts all; KDA computes gates in fp32
+    assert model.model.layers[0].self_attn.A_log.dtype == torch.float32  # kept: the decays are fp32 by design
 
 
 def test_router_logits_and_aux_loss():
@@ -300,3 +300,81 @@ def test_torch_export_of_a_forward():
     exported = torch.export.export(model, (x,), kwargs={"use_cache": False})
     with torch.no_grad():
         assert torch.allclose(exported.module()(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-5)
+
+
+def test_aux_loss_counts_the_experts_the_router_chose():
+    """Issue: the load-balancing loss re-selected the top-k without the correction bias (or group limits), so it
+    counted experts the router did not choose. Reference: the routers' own outputs, caught with hooks."""
+    model = make_model(n_group=2, topk_group=1)
+    for layer in model.model.layers[1:]:  # a bias that overrides the scores: experts 2 and 3 always chosen
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([0.0, 0.0, 5.0, 5.0]))
+    seen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o)) for layer in model.model.layers[1:]]
+    x = ids(2, 10, seed=14)
+    out = model(x, output_router_logits=True)
+    for h in hooks:
+        h.remove()
+    E = 4
+    f = torch.cat([F.one_hot(indices, E).sum(1).double() / 2 for _, _, indices in seen]).mean(0)
+    p = torch.cat([(lg.double().sigmoid() / lg.double().sigmoid().sum(-1, keepdim=True)) for lg, _, _ in seen]).mean(0)
+    assert f.tolist() == [0.0, 0.0, 0.5, 0.5]  # what the routers did
+    assert torch.allclose(out.aux_loss.double(), E * (f * p).sum(), atol=1e-6)
+
+
+def test_decays_gates_convs_and_router_stay_fp32_in_bf16(tmp_path):
+    """Issue: from_pretrained(dtype=bf16) rounded A_log, dt_bias, the short convs and the router bias to bf16."""
+    make_model().save_pretrained(tmp_path)
+    kept = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "gate.weight",
+            "e_score_correction_bias")
+    for model in (KimiHybridForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), make_model().to(torch.bfloat16)):
+        tensors = dict(model.named_parameters()) | dict(model.named_buffers())
+        fp32 = {n for n, t in tensors.items() if t.dtype == torch.float32}
+        assert fp32 == {n for n in tensors if n.endswith(kept)} and len(fp32) == 3 * 5 + 3 * 2
+        assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n not in fp32 and t.is_floating_point())
+        assert model(ids(1, 6)).logits.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_static_cache_prefill_and_decode_match_the_hybrid_cache(attn):
+    """Issue: a pre-allocated StaticCache (longer than 16) under sdpa gave wrong prefill logits (the absorbed MLA
+    path masked the whole buffer, not the filled length)."""
+    from transformers import StaticCache
+
+    model = make_model(attn_implementation=attn)
+    for T in (5, 12, 20):
+        x = ids(2, T, seed=T)
+        with torch.no_grad():
+            static = StaticCache(config=model.config, max_cache_len=40)
+            dynamic = KimiHybridCache(config=model.config)
+            a, b = model(x, past_key_values=static).logits, model(x, past_key_values=dynamic).logits
+            assert (a - b).abs().max() < 1e-5, (T, (a - b).abs().max())
+            nxt = b[:, -1:].argmax(-1)
+            a, b = model(nxt, past_key_values=static).logits, model(nxt, past_key_values=dynamic).logits
+            assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("multimodal", [False, True])
+def test_generate_with_a_static_cache(multimodal):
+    """Issue: generate(cache_implementation="static") crashed: generate passes {layer_type: mask}."""
+    from kimi_hf import KimiHybridForConditionalGeneration
+
+    from .helpers import tiny_multimodal_config
+
+    torch.manual_seed(0)
+    model = (KimiHybridForConditionalGeneration(tiny_multimodal_config()) if multimodal else make_model()).eval()
+    x = ids(2, 20, seed=15)
+    kwargs = dict(attention_mask=torch.ones_like(x), max_new_tokens=5, do_sample=False, eos_token_id=None)
+    assert torch.equal(model.generate(x, cache_implementation="static", **kwargs), model.generate(x, **kwargs))
+
+
+def test_forward_annotations_are_real_types():
+    """Issue: `from __future__ import annotations` made them strings, which transformers introspects."""
+    import inspect
+
+    from kimi_hf import KimiHybridForConditionalGeneration, KimiHybridModel, KimiHybridVisionModel
+
+    for cls in (KimiHybridTextModel, KimiHybridForCausalLM, KimiHybridModel, KimiHybridForConditionalGeneration,
+                KimiHybridVisionModel):
+        sig = inspect.signature(cls.forward)
+        assert not isinstance(sig.return_annotation, str), cls
+        assert not any(isinstance(p.annotation, str) for p in sig.parameters.values()), cls

@@ -55,7 +55,7 @@ def test_image_features_equal_k25_and_text_is_untouched(tmp_path):
     pv = torch.randn(int(grid.prod(-1).sum()), 3, 14, 14, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         ref = torch.cat(k25.model.get_image_features(pv, grid).pooler_output)
-        ours = mm.get_image_features(pv, grid)
+        ours = torch.cat(mm.get_image_features(pv, grid).pooler_output)
         assert (ours - ref).abs().max() < 1e-5
         ids = torch.tensor([[1, 9, 17, 33, 2]])
         assert torch.allclose(mm(input_ids=ids).logits, text(input_ids=ids).logits, atol=1e-6)

@@ -19,6 +19,7 @@ from transformers import initialization as init
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
+from transformers.integrations import use_experts_implementation
 from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, find_packed_sequence_indices
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
@@ -459,9 +460,12 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         return logits, weights * self.routed_scaling_factor, indices
 
 
+@use_experts_implementation
 class KimiHybridExperts(nn.Module):
     """Routed SwiGLU experts stored stacked: gate_up_proj [E, 2I, hidden] (gate rows first),
-    down_proj [E, hidden, I]. Tokens are grouped by expert (one sort), so each expert runs one matmul."""
+    down_proj [E, hidden, I] (transformers' concatenated, non-transposed experts layout). The forward is
+    transformers' experts interface (`experts_implementation`: "grouped_mm" by default, "batched_mm", or
+    "eager" = the loop below: tokens grouped by expert with one sort, one matmul per expert)."""
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()

@@ -6,13 +6,11 @@ the hybrid KDA/MLA decoder then reads like any other tokens (SPEC 3).
     KimiHybridForConditionalGeneration   + lm_head; generate() encodes the images once, at prefill
 """
 
-from __future__ import annotations
-
 import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -53,31 +51,64 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
     def set_input_embeddings(self, value):
         self.language_model.set_input_embeddings(value)
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        """pixel_values [N, 3, p, p], image_grid_thw [I, 3] -> [sum_i t h w / (kh kw), text hidden]: one
-        embedding per merged patch group, images in order."""
-        vision = self.vision_tower(pixel_values, image_grid_thw)
-        return self.mm_projector(vision.pooler_output)
+    @can_return_tuple
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor,
+                           **kwargs: Unpack[TransformersKwargs]) -> tuple | BaseModelOutputWithPooling:
+        """pixel_values [N, 3, p, p], image_grid_thw [I, 3] -> the vision tower's output (last_hidden_state
+        [N, D]; hidden_states / attentions when asked with output_hidden_states / output_attentions) whose
+        pooler_output is, as in transformers' kimi_k25, a tuple with one [h w / (kh kw), text hidden]
+        tensor per image (frames of a video merged): one embedding per merged patch group, images in order."""
+        vision = self.vision_tower(pixel_values, image_grid_thw, **kwargs)
+        features = self.mm_projector(vision.pooler_output)
+        kh, kw = self.vision_tower.merge_kernel_size
+        vision.pooler_output = torch.split(features, (image_grid_thw[:, 1:].prod(-1) // (kh * kw)).tolist())
+        return vision
 
-    def embed(self, input_ids: torch.LongTensor, pixel_values: torch.Tensor | None, image_grid_thw: torch.Tensor | None,
-              decoding: bool) -> torch.Tensor:
-        """Token embeddings with the image features written into the placeholder positions."""
-        is_image = input_ids == self.config.image_token_id
-        embeds = self.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
-        n_slots = int(is_image.sum())
-        if pixel_values is None or (decoding and n_slots == 0):  # decoding: the images are in the cache already
-            if n_slots and not decoding:
-                raise ValueError(f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
-                                 "but no pixel_values were given")
-            return embeds
+    def get_placeholder_mask(self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor,
+                             image_features: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, T, 1] bool: the image placeholder positions, from input_ids or, without them, the positions of
+        inputs_embeds equal (in every dimension) to the embedding of `image_token_id`. With image_features
+        [n, hidden], checks that there is one placeholder per feature."""
+        if input_ids is None:
+            token = torch.tensor(self.config.image_token_id, dtype=torch.long, device=inputs_embeds.device)
+            placeholder = self.get_input_embeddings()(token).to(inputs_embeds.device, inputs_embeds.dtype)
+            mask = (inputs_embeds == placeholder).all(-1)
+        else:
+            mask = input_ids == self.config.image_token_id
+        mask = mask[..., None].to(inputs_embeds.device)
+        if image_features is not None:
+            self._check_placeholder_count(mask, image_features, "input_ids" if input_ids is not None else "inputs_embeds")
+        return mask
+
+    def _check_placeholder_count(self, mask: torch.Tensor, image_features: torch.Tensor, source: str):
+        n_slots, n_features = int(mask.sum()), image_features.shape[0]
+        if n_slots != n_features:  # never shift text against images silently
+            raise ValueError(f"{source} hold {n_slots} image placeholder tokens but the images give {n_features} features "
+                             f"(one per merged patch group; placeholder id {self.config.image_token_id}): the processor "
+                             "expands each image placeholder to h * w / merge^2 tokens")
+
+    def embed(self, input_ids: torch.LongTensor | None, pixel_values: torch.Tensor | None,
+              image_grid_thw: torch.Tensor | None, decoding: bool, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Token embeddings (or the given inputs_embeds) with the image features written into the placeholder
+        positions."""
+        if inputs_embeds is None:
+            is_image = input_ids == self.config.image_token_id
+            inputs_embeds = self.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
+            if pixel_values is None:
+                if not decoding and (n_slots := int(is_image.sum())):  # decoding: the images are in the cache already
+                    raise ValueError(f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
+                                     "but no pixel_values were given")
+                return inputs_embeds
+        elif pixel_values is None:
+            return inputs_embeds
+        mask = self.get_placeholder_mask(input_ids, inputs_embeds)
+        if decoding and not mask.any():  # decoding: the images are in the cache already
+            return inputs_embeds
         if image_grid_thw is None:
             raise ValueError("pixel_values need image_grid_thw (one [t, h, w] row per image)")
-        features = self.get_image_features(pixel_values, image_grid_thw)
-        if features.shape[0] != n_slots:  # never shift text against images silently
-            raise ValueError(f"input_ids hold {n_slots} image placeholder tokens but the images give {features.shape[0]} "
-                             "features (one per merged patch group): the processor expands each image placeholder to "
-                             "h * w / merge^2 tokens")
-        return embeds.masked_scatter(is_image[..., None].expand_as(embeds), features.to(embeds.dtype))
+        features = torch.cat(self.get_image_features(pixel_values, image_grid_thw).pooler_output)
+        self._check_placeholder_count(mask, features, "input_ids" if input_ids is not None else "inputs_embeds")
+        return inputs_embeds.masked_scatter(mask, features.to(inputs_embeds.device, inputs_embeds.dtype))
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, pixel_values: torch.Tensor | None = None,
@@ -88,10 +119,8 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         past_key_values = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        if inputs_embeds is None:
-            inputs_embeds = self.embed(input_ids, pixel_values, image_grid_thw, _cached_length(past_key_values) > 0)
-        elif pixel_values is not None:
-            raise ValueError("pixel_values need input_ids (the image placeholders mark where the features go)")
+        inputs_embeds = self.embed(input_ids, pixel_values, image_grid_thw, _cached_length(past_key_values) > 0,
+                                   inputs_embeds=inputs_embeds)
         return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
                                    past_key_values=past_key_values, use_cache=use_cache, **kwargs)
 
@@ -111,8 +140,9 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
     def set_input_embeddings(self, value):
         self.model.set_input_embeddings(value)
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.model.get_image_features(pixel_values, image_grid_thw)
+    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor,
+                           **kwargs: Unpack[TransformersKwargs]) -> tuple | BaseModelOutputWithPooling:
+        return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
     @can_return_tuple
     def forward(self, input_ids: torch.LongTensor | None = None, pixel_values: torch.Tensor | None = None,

@@ -6,8 +6,6 @@ grid_thw [num_images, 3] = (t, h, w) per image (t frames of h x w patches, raste
 attends only to itself. Output: per merged 2 x 2 group of patches, one text-sized embedding.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -16,6 +14,9 @@ from transformers.activations import ACT2FN
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
+from transformers.processing_utils import Unpack
+from transformers.utils import TransformersKwargs
+from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .configuration_kimi_hybrid import KimiHybridVisionConfig
 from .hub_kimi_hybrid import RemoteCodeMixin
@@ -118,18 +119,37 @@ class KimiHybridVisionAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        """x [N, D]; each image (a run of `lengths`) attends to itself only."""
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int],
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """x [N, D]; each image (a run of `lengths`) attends to itself only. Returns the output [N, D] and,
+        only when `output_attentions`, the weights [1, heads, N, N]: block-diagonal, one block per image
+        (zero between images), computed on the eager path whatever the configured implementation (SDPA
+        and flash attention return no weights)."""
         N = x.shape[0]
         shape = (N, self.num_heads, self.head_dim)
         q = apply_rope(self.q_proj(x).view(shape), *rope)
         k = apply_rope(self.k_proj(x).view(shape), *rope)
         v = self.v_proj(x).view(shape)
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
-        outs = []
+        if output_attentions:
+            attend = eager_attention_forward
+        else:
+            attend = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, eager_attention_forward)
+        outs, weights = [], []
         for qi, ki, vi in zip(*(t.transpose(0, 1).unsqueeze(0).split(lengths, dim=2) for t in (q, k, v))):
-            outs.append(attend(self, qi, ki, vi, None, scaling=self.scaling, dropout=0.0, is_causal=False)[0])
-        return self.proj(torch.cat(outs, dim=1).reshape(N, -1))
+            out, w = attend(self, qi, ki, vi, None, scaling=self.scaling, dropout=0.0, is_causal=False)
+            outs.append(out)
+            weights.append(w)
+        out = self.proj(torch.cat(outs, dim=1).reshape(N, -1))
+        if not output_attentions:
+            return out, None
+        if len(weights) == 1:
+            return out, weights[0]
+        full = weights[0].new_zeros(1, self.num_heads, N, N)
+        start = 0
+        for w in weights:
+            full[..., start : start + w.shape[-1], start : start + w.shape[-1]] = w
+            start += w.shape[-1]
+        return out, full
 
 
 class KimiHybridVisionMLP(nn.Module):
@@ -153,8 +173,9 @@ class KimiHybridVisionEncoderLayer(GradientCheckpointingLayer):
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = KimiHybridVisionMLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int]) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), rope, lengths)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int],
+                output_attentions: bool = False) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rope, lengths, output_attentions=output_attentions)[0]
         return x + self.mlp(self.norm2(x))
 
 
@@ -193,7 +214,15 @@ class KimiHybridVisionPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
 class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
     """forward(pixel_values [N, 3, p, p], grid_thw [I, 3]) -> last_hidden_state [N, D] (after the final
-    LayerNorm) and pooler_output [M, kh * kw, D]: the patches of each merged token (frames averaged)."""
+    LayerNorm) and pooler_output [M, kh * kw, D]: the patches of each merged token (frames averaged).
+    With `output_hidden_states`: num_hidden_layers + 1 states [N, D] (the patch embeddings, then each
+    layer's output; the last one is last_hidden_state, after the final LayerNorm, as in kimi_k25); with
+    `output_attentions`: one [1, heads, N, N] block-diagonal weight tensor per layer."""
+
+    _can_record_outputs = {
+        "hidden_states": KimiHybridVisionEncoderLayer,
+        "attentions": OutputRecorder(KimiHybridVisionAttention, index=1),
+    }
 
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__(config)
@@ -204,14 +233,17 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs) -> BaseModelOutputWithPooling:
+    @capture_outputs
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
+                **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPooling:
+        output_attentions = bool(kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)))
         grid = check_grid(pixel_values, grid_thw, self.merge_kernel_size)
         x = self.patch_embed(pixel_values, grid)
         head_dim = self.config.hidden_size // self.config.num_attention_heads
         rope = axial_rope(grid, head_dim, self.config.rope_parameters["rope_theta"], x.device)
         lengths = [t * h * w for t, h, w in grid]
         for layer in self.layers:
-            x = layer(x, rope, lengths)
+            x = layer(x, rope, lengths, output_attentions=output_attentions)
         x = self.final_layernorm(x)
         return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=merge_patches(x, grid, self.merge_kernel_size))
 

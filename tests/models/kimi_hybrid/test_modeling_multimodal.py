@@ -1,12 +1,14 @@
 """KimiHybridForConditionalGeneration: early fusion (features at the placeholders), text-only input,
 clear errors, generate() (images encoded once; equals repeated full forwards; batched with left
-padding), Auto classes and save/load, the image-text-to-text pipeline, PEFT LoRA, Trainer."""
+padding), inputs_embeds with pixel_values (forward and generate), get_image_features (transformers'
+VLM API), Auto classes and save/load, the image-text-to-text pipeline, PEFT LoRA, Trainer."""
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Trainer, TrainingArguments, pipeline
+from transformers.modeling_outputs import BaseModelOutputWithPooling
 
 from kimi_hf import KimiHybridForConditionalGeneration
 from kimi_hf.collators import KimiHybridVisionCollator
@@ -133,3 +135,100 @@ def test_lora_and_trainer_with_the_collator(tmp_path):
     result = trainer.train()
     assert np.isfinite(result.training_loss)
     assert any(not torch.equal(p, before[n]) for n, p in lora.named_parameters() if p.requires_grad)
+
+
+def two_prompt_batch(proc):
+    """Two prompts, left-padded: two images (different sizes) in the first, one in the second."""
+    texts = [prompt(proc, "two?", images=2), prompt(proc, "and this one?")]
+    return proc(images=[img(56, 56, 6), img(28, 56, 7), img(56, 84, 8)], text=texts, padding=True)
+
+
+def test_inputs_embeds_with_pixel_values_match_input_ids(setup):
+    """The placeholders are found in inputs_embeds as the rows equal to the embedding of image_token_id (as
+    transformers' VLMs do): KimiHybridModel's last_hidden_state and the logits equal the input_ids path's
+    (max abs diff <= 1e-5, fp32), and the images matter (without pixel_values the logits differ)."""
+    model, proc = setup
+    batch = two_prompt_batch(proc)
+    assert (batch["attention_mask"] == 0).any()  # the second prompt is padded
+    images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "attention_mask")}
+    embeds = model.get_input_embeddings()(batch["input_ids"])
+    with torch.no_grad():
+        for m, field in ((model.model, "last_hidden_state"), (model, "logits")):
+            ref = getattr(m(input_ids=batch["input_ids"], **images), field)
+            got = getattr(m(inputs_embeds=embeds, **images), field)
+            assert got.shape == ref.shape and (got - ref).abs().max() <= 1e-5
+        text_only = model(inputs_embeds=embeds, attention_mask=batch["attention_mask"]).logits
+        assert (text_only - got).abs().max() > 1e-3
+
+
+def test_inputs_embeds_placeholder_mismatch_raises(setup):
+    model, proc = setup
+    batch = proc(images=[img(56, 56)], text=prompt(proc))
+    ids = batch["input_ids"][0].tolist()
+    ids.remove(proc.image_token_id)  # one placeholder short
+    embeds = model.get_input_embeddings()(torch.tensor([ids]))
+    with pytest.raises(ValueError, match="inputs_embeds hold 3 image placeholder tokens but the images give 4 features"):
+        model(inputs_embeds=embeds, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        model(inputs_embeds=embeds, pixel_values=batch["pixel_values"])
+
+
+def test_generate_from_inputs_embeds_with_images_matches_input_ids(setup):
+    """generate(inputs_embeds=..., pixel_values=...) returns the same greedy new tokens as generate(input_ids=...),
+    batched with left padding; the images are still encoded once."""
+    model, proc = setup
+    batch = two_prompt_batch(proc)
+    images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "attention_mask")}
+    gen = dict(max_new_tokens=6, do_sample=False)
+    with torch.no_grad():
+        ref = model.generate(input_ids=batch["input_ids"], **images, **gen)[:, batch["input_ids"].shape[1]:]
+        calls = []
+        hook = model.model.vision_tower.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            got = model.generate(inputs_embeds=model.get_input_embeddings()(batch["input_ids"]), **images, **gen)
+        finally:
+            hook.remove()
+    assert len(calls) == 1
+    assert ref.shape[1] > 0 and torch.equal(got, ref)
+
+
+def test_get_image_features_follows_the_transformers_vlm_api(setup):
+    """get_image_features returns the tower's BaseModelOutputWithPooling: last_hidden_state = the tower's output,
+    pooler_output = a tuple of per-image projected features (as transformers' kimi_k25), whose concatenation is
+    exactly what the forward writes into the placeholder positions; hidden_states (num_layers + 1) and
+    attentions ([1, heads, N, N] per layer) when asked; a tuple with return_dict=False."""
+    model, proc = setup
+    batch = two_prompt_batch(proc)
+    pv, grid = batch["pixel_values"], batch["image_grid_thw"]
+    vc = model.config.vision_config
+    n_patches = int(grid.prod(-1).sum())
+    with torch.no_grad():
+        out = model.get_image_features(pv, grid)
+        tower = model.model.vision_tower(pv, grid)
+        projected = model.model.mm_projector(tower.pooler_output)
+    assert isinstance(out, BaseModelOutputWithPooling) and isinstance(out.pooler_output, tuple)
+    assert [f.shape for f in out.pooler_output] == [(4, 32), (2, 32), (6, 32)]  # h w / 4 per image, text hidden 32
+    assert torch.equal(out.last_hidden_state, tower.last_hidden_state)
+    assert torch.equal(torch.cat(out.pooler_output), projected)
+    assert out.hidden_states is None and out.attentions is None
+    # the features the forward writes: read at the language model's input
+    seen = {}
+    hook = model.model.language_model.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**batch)
+    finally:
+        hook.remove()
+    written = seen["embeds"][batch["input_ids"] == model.config.image_token_id]
+    assert torch.equal(written, torch.cat(out.pooler_output))
+    with torch.no_grad():
+        full = model.model.get_image_features(pv, grid, output_hidden_states=True, output_attentions=True)
+        as_tuple = model.get_image_features(pv, grid, return_dict=False)
+    assert len(full.hidden_states) == vc.num_hidden_layers + 1
+    assert all(h.shape == (n_patches, vc.hidden_size) for h in full.hidden_states)
+    assert len(full.attentions) == vc.num_hidden_layers
+    assert all(a.shape == (1, vc.num_attention_heads, n_patches, n_patches) for a in full.attentions)
+    assert all((x - y).abs().max() <= 1e-5 for x, y in zip(full.pooler_output, out.pooler_output))
+    assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.last_hidden_state)
+    assert all(torch.equal(x, y) for x, y in zip(as_tuple[1], out.pooler_output))

@@ -1,9 +1,11 @@
 """KimiHybridVisionModel: weight-compatible with transformers' kimi_k25 vision tower (same state dict,
-same outputs), per-image attention, gradient checkpointing, input validation; the configs."""
+same outputs, same recorded hidden states; attention weights equal to the ones inside kimi_k25's eager
+attention), per-image attention, gradient checkpointing, input validation; the configs."""
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModel
+from transformers.models.kimi_k25 import modeling_kimi_k25 as k25_modeling
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig
 from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel
 
@@ -102,3 +104,80 @@ def test_configs_validate_and_round_trip(tmp_path):
     assert isinstance(loaded, KimiHybridConfig) and loaded.vision_config.hidden_size == 32
     assert loaded.text_config.vocab_size == TINY["vocab_size"] and loaded.image_token_id == 7
     assert isinstance(AutoModel.from_config(loaded.vision_config), KimiHybridVisionModel)
+
+
+def test_hidden_states_are_recorded_like_transformers_kimi_k25():
+    """output_hidden_states: the patch embeddings, then every layer's output, the last one after the final
+    LayerNorm (= last_hidden_state): num_hidden_layers + 1 states [N, D], each equal to kimi_k25's (max abs
+    diff <= 1e-5 of the state's max abs value: the pre-LayerNorm states reach ~20, fp32 rounding of the
+    conv vs matmul patch embedding and the two bicubic resamplings gives ~2e-5 there)."""
+    ref, ours = k25_pair()
+    pv = pixels(GRID)
+    n = int(GRID.prod(-1).sum())
+    with torch.no_grad():
+        a = ref(pv, grid_thw=GRID, output_hidden_states=True)
+        b = ours(pv, GRID, output_hidden_states=True)
+        plain = ours(pv, GRID)
+    assert plain.hidden_states is None and plain.attentions is None  # recorded only when asked
+    assert len(b.hidden_states) == len(a.hidden_states) == TINY_VISION["num_hidden_layers"] + 1
+    for x, y in zip(a.hidden_states, b.hidden_states):
+        assert y.shape == (n, TINY_VISION["hidden_size"])
+        assert (x - y).abs().max() <= 1e-5 * x.abs().max()
+    assert torch.equal(b.hidden_states[-1], b.last_hidden_state)
+    assert (b.last_hidden_state - plain.last_hidden_state).abs().max() < 1e-6
+
+
+def attention_reference(ref, pv, grid):
+    """Per layer, the block-diagonal [1, heads, N, N] attention weights of transformers' kimi_k25 tower, read
+    from its eager attention (kimi_k25's own `attentions` output records the attention outputs, not weights)."""
+    blocks = []
+
+    def recording(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        out, w = original(module, query, key, value, attention_mask, scaling, dropout=dropout, **kwargs)
+        blocks.append(w)
+        return out, w
+
+    original = k25_modeling.eager_attention_forward
+    ref.set_attn_implementation("eager")
+    k25_modeling.eager_attention_forward = recording
+    try:
+        with torch.no_grad():
+            ref(pv, grid_thw=grid)
+    finally:
+        k25_modeling.eager_attention_forward = original
+    per_layer, n, heads = len(grid), int(grid.prod(-1).sum()), TINY_VISION["num_attention_heads"]
+    layers = []
+    for i in range(0, len(blocks), per_layer):
+        full = torch.zeros(1, heads, n, n)
+        start = 0
+        for w in blocks[i : i + per_layer]:
+            full[..., start : start + w.shape[-1], start : start + w.shape[-1]] = w
+            start += w.shape[-1]
+        layers.append(full)
+    return layers
+
+
+@pytest.mark.parametrize("attn_implementation", ["sdpa", "eager"])
+def test_attention_weights_are_recorded_per_layer_and_match_kimi_k25(attn_implementation):
+    """output_attentions: one [1, heads, N, N] tensor per layer, block-diagonal (an image attends to itself
+    only), equal (1e-5) to the softmax weights inside kimi_k25's tower; rows sum to 1; also with SDPA
+    configured (the weights come from the eager path then), and the outputs stay the same (1e-5)."""
+    ref, ours = k25_pair()
+    ours.set_attn_implementation(attn_implementation)
+    pv = pixels(GRID)
+    expected = attention_reference(ref, pv, GRID)
+    with torch.no_grad():
+        out = ours(pv, GRID, output_attentions=True, output_hidden_states=True)
+        plain = ours(pv, GRID)
+    n = int(GRID.prod(-1).sum())
+    assert len(out.attentions) == len(expected) == TINY_VISION["num_hidden_layers"]
+    assert len(out.hidden_states) == TINY_VISION["num_hidden_layers"] + 1
+    for got, want in zip(out.attentions, expected):
+        assert got.shape == (1, TINY_VISION["num_attention_heads"], n, n)
+        assert (got - want).abs().max() < 1e-5
+        assert torch.allclose(got.sum(-1), torch.ones(1, TINY_VISION["num_attention_heads"], n), atol=1e-5)
+        assert got[..., :64, 64:].abs().max() == 0 and got[..., 64:, :64].abs().max() == 0
+    assert (out.last_hidden_state - plain.last_hidden_state).abs().max() < 1e-5
+    assert (out.pooler_output - plain.pooler_output).abs().max() < 1e-5
+    as_tuple = ours(pv, GRID, output_attentions=True, return_dict=False)
+    assert isinstance(as_tuple, tuple) and len(as_tuple[-1]) == TINY_VISION["num_hidden_layers"]

@@ -28,7 +28,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from common import Timing, argument_parser, save_plot, spread_cell, spread_warning, warn  # noqa: E402
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
-from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridDepthAttention  # noqa: E402
 
 
 def config(args, mode: str) -> KimiHybridTextConfig:

@@ -21,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 from kimi_hf import (KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor,
                      KimiHybridProcessor)
-from kimi_hf.chat import chat_stop_token_ids
+from kimi_hf.chat import IMAGE_TOKEN, chat_stop_token_ids
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
@@ -40,7 +40,7 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
     vision = dict(hidden_size=vision_hidden, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * vision_hidden,
                   pos_emb_height=side, pos_emb_width=side)
     config = KimiHybridConfig(text_config=text, vision_config=vision,
-                              image_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
+                              image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     return KimiHybridForConditionalGeneration(config)
 
 

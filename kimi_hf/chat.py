@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from .models.kimi_hybrid.processing_kimi_hybrid import TURN_END, chat_stop_token_ids
+from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
 
 
 @torch.no_grad()
@@ -24,4 +24,4 @@ def generate_replies(model, processor, conversations: list[list[dict]], images=N
     return [r.strip() for r in processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)]
 
 
-__all__ = ["generate_replies", "chat_stop_token_ids", "TURN_END"]
+__all__ = ["generate_replies", "chat_stop_token_ids", "TURN_END", "IMAGE_TOKEN"]

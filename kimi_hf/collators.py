@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .models.kimi_hybrid.chat_markup_kimi_hybrid import ASSISTANT, MIDDLE, TURN_END
+
 IGNORE_INDEX = -100
 
 
@@ -22,7 +24,7 @@ class KimiHybridVisionCollator:
             raise ValueError(f"train_on must be 'assistant' or 'all', got {train_on!r}")
         self.processor, self.train_on = processor, train_on
         tok = processor.tokenizer
-        self.ids = {name: tok.convert_tokens_to_ids(name) for name in ("<|im_assistant|>", "<|im_middle|>", "<|im_end|>")}
+        self.ids = {name: tok.convert_tokens_to_ids(name) for name in (ASSISTANT, MIDDLE, TURN_END)}
 
     def _last(self, ids: torch.Tensor, token: str, strictly_before: bool) -> torch.Tensor:
         """[B, T]: position of the last `token` at (or strictly before) each position, -1 if none."""
@@ -35,9 +37,9 @@ class KimiHybridVisionCollator:
     def _assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] bool: the tokens of assistant replies, from the first <|im_middle|> after an
         <|im_assistant|> up to and including the next <|im_end|> (vectorised over tokens)."""
-        header = self._last(ids, "<|im_assistant|>", False)
-        middle = self._last(ids, "<|im_middle|>", True)
-        end = self._last(ids, "<|im_end|>", True)  # strictly before: a reply keeps its own <|im_end|>
+        header = self._last(ids, ASSISTANT, False)
+        middle = self._last(ids, MIDDLE, True)
+        end = self._last(ids, TURN_END, True)  # strictly before: a reply keeps its own <|im_end|>
         return (header >= 0) & (middle > header) & (end < middle)
 
     def __call__(self, examples: list[dict]) -> dict:

@@ -62,7 +62,7 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
     """A KimiHybridForConditionalGeneration of one of SIZES for `tokenizer` (Kimi Linear's 3:1
     KDA:MLA layout and a dense first layer, then MoE; MoonViT tower with positions for image_size)."""
     from . import KimiHybridConfig, KimiHybridForConditionalGeneration
-    from .chat import chat_stop_token_ids
+    from .chat import IMAGE_TOKEN, chat_stop_token_ids
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -77,7 +77,7 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
     vision = dict(hidden_size=s["vision_hidden"], num_hidden_layers=2, num_attention_heads=2,
                   intermediate_size=2 * s["vision_hidden"], pos_emb_height=side, pos_emb_width=side)
     config = KimiHybridConfig(text_config=text, vision_config=vision,
-                              image_token_id=tokenizer.convert_tokens_to_ids("<|media_pad|>"))
+                              image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
     return KimiHybridForConditionalGeneration(config)
 
 

@@ -13,13 +13,10 @@ from collections.abc import Iterable
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from .models.kimi_hybrid.processing_kimi_hybrid import CHAT_TEMPLATE, IMAGE_TOKEN, RESPONSE_TEMPLATE
+from .models.kimi_hybrid.chat_markup_kimi_hybrid import (CHAT_TEMPLATE, CHAT_TOKENS, MEDIA_TOKENS, RESPONSE_TEMPLATE,
+                                                      TOOL_TOKENS)
 
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
-CHAT_TOKENS = ["<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"]
-MEDIA_TOKENS = ["<|media_begin|>", "<|media_content|>", IMAGE_TOKEN, "<|media_end|>"]
-TOOL_TOKENS = ["<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-               "<|tool_call_argument_begin|>", "<|tool_call_end|>"]
 SPECIAL_TOKENS = [PAD, BOS, EOS] + CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS
 
 

@@ -16,6 +16,7 @@ import re
 
 import torch
 
+from ..models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
 from .kimi_linear import (NATIVE, OURS, cast, check_complete, check_source, convert_config, copy_side_files,
                           expected_shapes, native_to_ours)
@@ -156,7 +157,7 @@ def _image_token_id(text_src: str, k25_cfg: dict, vocab: int) -> int:
             tok = AutoTokenizer.from_pretrained(text_src)
         else:
             tok = tiktoken_to_fast(os.path.join(text_src, "tiktoken.model"), os.path.join(text_src, "tokenizer_config.json"))
-        tid = tok.convert_tokens_to_ids("<|media_pad|>")
+        tid = tok.convert_tokens_to_ids(IMAGE_TOKEN)
         if tid is not None and tid != tok.unk_token_id:
             return tid
     tid = k25_cfg.get("image_token_id")

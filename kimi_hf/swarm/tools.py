@@ -17,6 +17,9 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
+from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
+                                                       TOOL_CALLS_BEGIN, TOOL_CALLS_END)
+
 CREATE_SUBAGENT = {
     "type": "function",
     "function": {
@@ -51,9 +54,8 @@ ASSIGN_TASK = {
 }
 ORCHESTRATOR_TOOLS = [CREATE_SUBAGENT, ASSIGN_TASK]
 
-_KIMI_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]*?)\s*<\|tool_call_argument_begin\|>(?P<args>.*?)<\|tool_call_end\|>",
-                        re.DOTALL)
-_KIMI_SECTION = "<|tool_calls_section_begin|>"
+_KIMI_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"\s*(?P<id>[^<]*?)\s*" + re.escape(TOOL_CALL_ARGUMENT_BEGIN)
+                        + r"(?P<args>.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
 _HERMES_CALL = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*</tool_call>", re.DOTALL)
 
 
@@ -105,7 +107,7 @@ def parse_tool_calls(text: str, tokenizer=None, prefix: str | None = None,
     for i, m in enumerate(_KIMI_CALL.finditer(text)):
         call_id = m["id"].strip() or f"call_{i}"
         calls.append(ToolCall(_kimi_name(call_id), _loads(m["args"].strip()), call_id))
-    content = text.split(_KIMI_SECTION)[0] if calls else text
+    content = text.split(TOOL_CALLS_BEGIN)[0] if calls else text
     if not calls:
         for i, m in enumerate(_HERMES_CALL.finditer(text)):
             body = _loads(m["body"])
@@ -126,8 +128,8 @@ def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: s
     for i, c in enumerate(calls):
         name, args = (c.name, c.arguments) if isinstance(c, ToolCall) else c
         args = args if isinstance(args, str) else json.dumps(args)
-        parts.append(f"<|tool_call_begin|>functions.{name}:{i}<|tool_call_argument_begin|>{args}<|tool_call_end|>")
-    return content + (_KIMI_SECTION + "".join(parts) + "<|tool_calls_section_end|>" if parts else "")
+        parts.append(f"{TOOL_CALL_BEGIN}functions.{name}:{i}{TOOL_CALL_ARGUMENT_BEGIN}{args}{TOOL_CALL_END}")
+    return content + (TOOL_CALLS_BEGIN + "".join(parts) + TOOL_CALLS_END if parts else "")
 
 
 @dataclass

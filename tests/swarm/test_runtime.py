@@ -33,8 +33,12 @@ def test_fan_out_runs_in_parallel_up_to_the_bound_and_returns_only_final_answers
 def test_wall_time_reflects_parallel_runs():
     sub = ScriptedBackend(worker(steps=2), latency=0.1)
     result = Swarm(ScriptedBackend(fan_out_orchestrator(8)), sub, tools=[lookup], max_concurrency=8).run("t")
-    # 8 runs x 2 calls x 0.1 s serially would be 1.6 s; in parallel about 0.2 s
-    assert result.metrics["wall_time"] < 0.8
+    # the sub-agents' calls ran at the same time: their traced intervals overlap (a property of the schedule,
+    # not of this machine's speed, unlike a bound on the wall time)
+    spans = sorted((e["start"], e["end"]) for e in result.trace.events if e["type"] == "step" and e["role"] == "subagent")
+    assert len(spans) == 16
+    overlap = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
+    assert overlap >= 4, overlap
 
 
 def test_failures_timeouts_and_budgets_become_tool_errors():
@@ -114,7 +118,7 @@ def test_episode_timeout_cancels_running_subagents():
     result = Swarm(ScriptedBackend(fan_out_orchestrator(3)), sub, timeout=0.3, subagent_timeout=None).run("t")
     assert result.status == "timeout" and result.answer is None
     assert [e["status"] for e in result.trace.events if e["type"] == "task"] == ["cancelled"] * 3
-    assert result.metrics["wall_time"] < 2
+    assert result.metrics["wall_time"] < 10  # the sub-agents' 10 s sleeps were cut short, not awaited
 
 
 def test_stages_and_critical_steps_across_turns():

@@ -1,7 +1,6 @@
 """The hybrid causal LM inside transformers: outputs, padding, packing, cache and generate, training
 features, save/load, Auto classes."""
 
-import math
 
 import pytest
 import torch
@@ -146,11 +145,17 @@ def test_sampling_and_beam_search_run():
         sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
         beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert sampled.shape == (2, 13) and beams.shape == (2, 13)
-    # with one beam, beam search is greedy search
+    # beam search reorders the cache (KDA states, MLA latents) as beams swap: the score of every returned beam must
+    # equal the log-probability of its tokens under a fresh full forward (length_penalty 0: a plain sum)
     with torch.no_grad():
-        one = model.generate(prompt, max_new_tokens=6, num_beams=1, do_sample=False, pad_token_id=0, eos_token_id=None)
-        greedy = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
-    assert torch.equal(one, greedy)
+        out = model.generate(prompt, max_new_tokens=6, num_beams=4, num_return_sequences=3, do_sample=False,
+                             length_penalty=0.0, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+                             eos_token_id=None)
+        seqs = out.sequences
+        logp = model(seqs, use_cache=False).logits[:, 6:-1].log_softmax(-1).gather(-1, seqs[:, 7:, None])[..., 0]
+    assert len({tuple(s.tolist()) for s in seqs}) == 6  # distinct beams
+    assert torch.allclose(out.sequences_scores, logp.sum(-1), atol=1e-4)
+    assert (out.sequences_scores.view(2, 3).diff(dim=1) <= 1e-6).all()  # best first
 
 
 def test_eager_and_sdpa_agree():

@@ -1,5 +1,5 @@
 """Wide search over a local document collection: one serial agent vs an orchestrator with parallel
-sub-agents, same agent policy and same per-agent step budget (SPEC 5's critical-steps comparison).
+sub-agents, same agent policy and same per-agent step budget (Kimi K2.5's critical-steps comparison, arXiv 2602.02276).
 
 Documents: the module docstrings of the Python standard library (offline). Task: "give the first
 sentence of the documentation of each of these N modules"; tools: `search_docs(query)` and

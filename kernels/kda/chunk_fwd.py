@@ -1,4 +1,4 @@
-"""Chunked KDA forward kernels (SPEC 1.3), one launch per stage:
+"""Chunked KDA forward kernels (the WY / UT-transform chunking of DeltaNet and Kimi Linear, arXiv 2510.26692), one launch per stage:
 
 1. `gate_cumsum`: G = chunk-local cumsum of g, in fp32 (the gate -exp(A_log) softplus(f + dt_bias)
    fused in when asked).

@@ -1,4 +1,4 @@
-"""Agent swarms (SPEC 5): an asyncio orchestrator runtime with parallel sub-agents, a JSONL trace with
+"""Agent swarms (Kimi K2.5, arXiv 2602.02276): an asyncio orchestrator runtime with parallel sub-agents, a JSONL trace with
 critical-step metrics, and PARL rewards for TRL's GRPOTrainer."""
 
 from .backends import Backend, BackendError, Completion, OpenAIBackend, ScriptedBackend, TransformersBackend

@@ -1,4 +1,4 @@
-"""PARL rewards (SPEC 5) as TRL GRPOTrainer reward functions:
+"""PARL rewards (Kimi K2.5's PARL, arXiv 2602.02276) as TRL GRPOTrainer reward functions:
 
     r = lambda1(t) * r_parallel + lambda2(t) * r_finish + r_perf
 

@@ -1,4 +1,4 @@
-"""The swarm runtime (SPEC 5): an orchestrator that creates sub-agents and assigns them tasks through
+"""The swarm runtime (Kimi K2.5's agent swarm, arXiv 2602.02276): an orchestrator that creates sub-agents and assigns them tasks through
 tool calls; tasks assigned in one orchestrator turn run concurrently (a bounded pool), each sub-agent
 in its own context, and only its final answer returns to the orchestrator, as the tool result.
 

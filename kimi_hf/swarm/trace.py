@@ -10,7 +10,7 @@ Events (field `type`):
 - "final": the episode ended: status, answer, error (or null), wall_time.
 
 critical_steps = sum over stages of (orchestrator steps in the stage + the longest sub-agent run in the
-stage, in steps) (SPEC 5); parallelism = total_steps / critical_steps.
+stage, in steps) (Kimi K2.5's agent swarm, arXiv 2602.02276); parallelism = total_steps / critical_steps.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Attention over depth (Attention Residuals, SPEC 4) as one op with a hand-written backward.
+"""Attention over depth (Attention Residuals, arXiv 2603.15031) as one op with a hand-written backward.
 
     out = sum_i alpha_i v_i,   alpha = softmax_i(l_i),   l_i = (v_i . w) * r_i,   r_i = rsqrt(mean(v_i^2) + eps)
 

@@ -1,6 +1,6 @@
 """Image processor for the early-fusion model, on PIL + numpy + torch (no torchvision).
 
-Kimi K2.5's policy (SPEC 3): never upscale; shrink so that the image has at most `max_patches`
+Kimi K2.5's policy (Kimi K2.5, arXiv 2602.02276; MoonViT as in Kimi-VL): never upscale; shrink so that the image has at most `max_patches`
 patches and at most `max_patches_per_side` patches per side; pad (bottom/right, black) to multiples
 of patch_size * merge_size; rescale by 1/255; normalise with mean = std = 0.5; cut into patches.
 

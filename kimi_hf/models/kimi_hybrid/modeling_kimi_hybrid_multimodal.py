@@ -1,6 +1,6 @@
 """The early-fusion multimodal model: the MoonViT tower's merged patches, projected to the text
 hidden size, are written into the `image_token_id` placeholder positions of the token stream, which
-the hybrid KDA/MLA decoder then reads like any other tokens (SPEC 3).
+the hybrid KDA/MLA decoder then reads like any other tokens (early fusion, Kimi K2.5: arXiv 2602.02276).
 
     KimiHybridModel                      vision_tower + mm_projector + language_model (no head)
     KimiHybridForConditionalGeneration   + lm_head; generate() encodes the images once, at prefill

@@ -4,7 +4,7 @@ kimi_hf.ops.chunk_kda(backend="triton"), forward and backward, against the fp32 
 Tolerances: relative RMS error <= 1e-4 in fp32 for the output, the final state and every gradient
 (fla's tests use ~5e-3 in bf16 on GPU; fp32 under the interpreter has no tf32 rounding). fp16 inputs:
 2e-3 on the output, 1e-2 on gradients. bf16 is not tested here: the interpreter's bf16 dot is
-broken (SPEC 1.4). Shapes are small: the interpreter runs every program in Python.
+broken (bf16 tl.dot under TRITON_INTERPRET). Shapes are small: the interpreter runs every program in Python.
 """
 
 import os

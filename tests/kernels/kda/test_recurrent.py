@@ -1,6 +1,6 @@
 """The fused recurrent KDA Triton kernel (kimi_hf_kernels.kda.recurrent) under TRITON_INTERPRET=1 on
 CPU, through kimi_hf.ops.recurrent_kda(backend="triton"), against the fp32 reference.
-fp32 and fp16 only: the interpreter's bf16 dot is broken (SPEC 1.4)."""
+fp32 and fp16 only: the interpreter's bf16 dot is broken under TRITON_INTERPRET."""
 
 import os
 

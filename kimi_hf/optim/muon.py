@@ -28,6 +28,8 @@ try:
 except ImportError:  # pragma: no cover
     DTensor = None
 
+# the quintic Newton-Schulz coefficients of Keller Jordan's Muon (2024; also Moonlight's and torch.optim.Muon's):
+# five steps take singular values into about [0.7, 1.2] fast, rather than converging exactly
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 

@@ -183,7 +183,8 @@ class RemoteCodeMixin:
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         hub = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private", "revision") if k in kwargs}
-        auto_map = AUTO_MAPS.get(self.config.model_type)
+        # the class's model_type: a config read from Moonshot's folder keeps model_type "kimi_linear" (and its auto_map)
+        auto_map = AUTO_MAPS.get(type(self.config).model_type)
         if auto_map is not None:
             self.config.auto_map = dict(auto_map)
         super().save_pretrained(save_directory, *args, **kwargs)

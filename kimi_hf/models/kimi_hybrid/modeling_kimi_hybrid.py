@@ -33,7 +33,12 @@ from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .depth_attention import depth_attention, depth_attention_weights
 from .hub_kimi_hybrid import RemoteCodeMixin
+from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .kda import chunk_kda, recurrent_kda
+
+# from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,
+# block_sparse_moe, A_log [1, 1, H, 1]); save_pretrained writes ours
+_register_conversion_mapping()
 
 # PEFT LoRA targets recommended for the hybrid model: the KDA and MLA projections and the dense /
 # shared-expert SwiGLUs (routed experts are stacked parameters, not nn.Linear).

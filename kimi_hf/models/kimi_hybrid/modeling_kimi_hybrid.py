@@ -49,6 +49,9 @@ LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_m
 _ABSORBED_MAX_TOKENS = 16
 # Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
 _RECURRENT_MAX_TOKENS = 8
+_ATTN_RES_PP_ERROR = ("Attention Residuals under pipeline parallelism: transformers' pipeline passes one tensor "
+                      "between stages, but these layers pass the partial sum and the completed depth blocks (see "
+                      "config.base_model_pp_plan); use tensor / expert parallelism, or attn_residual='none'")
 
 
 class KeepFP32Mixin:
@@ -208,7 +211,7 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         if attention_mask is not None:  # 2D padding mask: padded tokens become no-ops (k = v = 0)
             hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
         B, T, _ = hidden_states.shape
-        shape = (B, T, self.num_heads, self.head_dim)
+        shape = (B, T, -1, self.head_dim)  # -1: this rank's heads under tensor parallelism
         q, k, v = (t.view(shape) for t in self._convolve(hidden_states, past_key_values, packed))
         # raw forget input and beta logits: the gate activation, sigmoid and q/k L2 norm run inside the
         # KDA op (fused into the Triton kernels on CUDA, in fp32 torch on CPU)
@@ -317,8 +320,9 @@ class KimiHybridMLA(nn.Module):
     def apply_qk_clip(self, gamma: torch.Tensor) -> None:
         """QK-Clip for MLA: head h's logits scale by gamma[h]. Its q-nope rows and the k-nope rows of
         kv_b_proj scale by sqrt(gamma), its rope query rows by gamma; the rope key, shared by all
-        heads, is never touched."""
-        H, nope, rope, v = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        heads, is never touched. gamma: one factor per head of the model, or per local head (tensor parallelism:
+        the heads this rank's shard holds, which are the heads its max-logit recorder saw)."""
+        H, nope, rope, v = gamma.shape[0], self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         gamma = gamma.float()
         root = gamma.sqrt()[:, None]
         q_rows = torch.cat([root.expand(H, nope), gamma[:, None].expand(H, rope)], 1).flatten()
@@ -326,22 +330,22 @@ class KimiHybridMLA(nn.Module):
         q_weight = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight
         for weight, rows in ((q_weight, q_rows), (self.kv_b_proj.weight, kv_rows)):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
-            if local.shape[0] != rows.shape[0]:  # FSDP2 shard on dim 0: this rank's rows (torch.chunk split)
+            if local.shape[0] != rows.shape[0]:  # FSDP2 / TP shard on dim 0: this rank's rows (torch.chunk split)
                 mesh = weight.device_mesh
                 rows = rows.chunk(mesh.size(0))[mesh.get_local_rank()]
             local.mul_(rows.to(local.device, local.dtype)[:, None])
 
     def project_query(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, T, hidden] -> queries [B, H, T, qk_head_dim]."""
+        """x [B, T, hidden] -> queries [B, H, T, qk_head_dim] (H: this rank's heads under tensor parallelism)."""
         q = self.q_proj(x) if self.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        return q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)
+        return q.view(*x.shape[:2], -1, self.qk_head_dim).transpose(1, 2)
 
     def expand_latent(self, latent: torch.Tensor, k_rope: torch.Tensor):
         """latent [B, 1, S, kv_lora_rank], k_rope [B, 1, S, rope] -> keys [B, H, S, qk], values [B, H, S, v]."""
         B, _, S, _ = latent.shape
-        kv = self.kv_b_proj(latent[:, 0]).view(B, S, self.num_heads, -1).transpose(1, 2)
+        kv = self.kv_b_proj(latent[:, 0]).view(B, S, -1, self.qk_nope_head_dim + self.v_head_dim).transpose(1, 2)
         k_nope, value = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
-        key = torch.cat([k_nope, k_rope.expand(B, self.num_heads, S, -1)], dim=-1)
+        key = torch.cat([k_nope, k_rope.expand(B, kv.shape[1], S, -1)], dim=-1)
         return key, value
 
     def absorbed_attention(self, query, latent, k_rope, attention_mask, filled=None):
@@ -352,7 +356,9 @@ class KimiHybridMLA(nn.Module):
         query [B, H, T, qk]; latent [B, 1, S, R]; k_rope [B, 1, S, rope] -> [B, T, H, v]. filled: how many of
         the S cached positions hold tokens (an int or a 0-d tensor; a pre-allocated StaticCache is longer than
         that), the new T tokens being the last of them; None: all S."""
-        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = self.kv_b_proj.weight
+        w = w.to_local() if hasattr(w, "to_local") else w  # tensor parallelism: this rank's heads (rows) of a DTensor
+        w = w.view(-1, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_k, w_v = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
         q_nope, q_rope = query.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         q = torch.cat([torch.einsum("bhtn,hnr->bhtr", q_nope, w_k), q_rope], dim=-1)
@@ -481,7 +487,8 @@ class KimiHybridExperts(nn.Module):
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; indices, weights [N, k] -> [N, hidden]."""
+        """x [N, hidden]; indices, weights [N, k] -> [N, hidden]. Under expert parallelism, num_experts is this
+        rank's count and an index num_experts marks a route to another rank's expert (weight 0): skipped."""
         if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
             return self._dense_forward(x, indices, weights)
         k = indices.shape[1]
@@ -492,17 +499,21 @@ class KimiHybridExperts(nn.Module):
         xs = x[token]
         outs = []
         for e, seg in enumerate(xs.split(counts)):
-            if counts[e]:
+            if e >= self.num_experts:  # EP sentinels, sorted last
+                outs.append(torch.zeros_like(seg))
+            elif counts[e]:
                 gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
                 outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+        if not outs:
+            return torch.zeros_like(x)
         y = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
     def _dense_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Every expert on every token, weighted by the [N, E] routing matrix (zero where not chosen): static
         shapes, E times the routed compute."""
-        routing = torch.zeros(x.shape[0], self.num_experts, device=x.device, dtype=weights.dtype)
-        routing = routing.scatter_add(1, indices, weights).to(x.dtype)
+        routing = torch.zeros(x.shape[0], self.num_experts + 1, device=x.device, dtype=weights.dtype)  # + EP sentinel
+        routing = routing.scatter_add(1, indices, weights)[:, : self.num_experts].to(x.dtype)
         y = torch.zeros_like(x)
         for e in range(self.num_experts):
             gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
@@ -617,6 +628,25 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         return push_depth_output(partial, blocks, out, s + 1, self.block_size)
 
 
+def check_parallel_layout(text_config: KimiHybridTextConfig, tp_plan: dict[str, str], distributed_config) -> None:
+    """Raises ValueError for a layout the model cannot run: pipeline parallelism with Attention Residuals, or a
+    per-head TP plan whose head counts tp_size does not divide (a rank would hold part of a head)."""
+    if distributed_config.pp_size > 1 and text_config.attn_residual != "none":
+        raise ValueError(_ATTN_RES_PP_ERROR)
+    tp = distributed_config.tp_size
+    override = distributed_config.tp_plan
+    if tp <= 1 or override == {}:
+        return
+    plan = {**tp_plan, **(override if isinstance(override, dict) else {})}
+    sharded = {key.rsplit(".", 1)[-1] for key, style in plan.items() if "self_attn." in key and style == "colwise"}
+    for proj, field, layer_type in (("k_proj", "linear_num_heads", "linear_attention"),
+                                    ("kv_b_proj", "num_attention_heads", "full_attention")):
+        heads = getattr(text_config, field)
+        if proj in sharded and layer_type in text_config.layer_types and heads % tp:
+            raise ValueError(f"{field} ({heads}) must be divisible by tp_size ({tp}): the TP plan shards "
+                             f"{layer_type} layers by head (or pass DistributedConfig(tp_plan=...) replicating them)")
+
+
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridTextConfig
     config_class = KimiHybridTextConfig
@@ -636,6 +666,15 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         "hidden_states": KimiHybridDecoderLayer,
         "attentions": OutputRecorder(KimiHybridMLA, index=1),
     }
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' parallelism at load time (docs/parallelism.md), after two checks made on every rank at once:
+        pipeline parallelism is refused with Attention Residuals (in the forward, a later stage would wait for a
+        tensor that never comes), and tensor parallelism by head needs heads divisible by tp_size."""
+        if distributed_config is not None:
+            check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -704,14 +743,18 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
                 masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
 
         hidden_states = inputs_embeds
+        # the mask by the config's layer type: under pipeline parallelism another stage's layers are placeholders
+        layer_types = self.config.layer_types
         if self.config.attn_residual_blocks() is None:
-            for layer in self.layers:
-                hidden_states = layer(hidden_states, None, attention_mask=masks[layer.layer_type],
+            for layer, layer_type in zip(self.layers, layer_types):
+                hidden_states = layer(hidden_states, None, attention_mask=masks[layer_type],
                                       position_ids=position_ids, past_key_values=past_key_values, packed=packed, **kwargs)
         else:  # depth sources: the embedding as block 0; the partial sum starts empty
+            if any(not isinstance(layer, KimiHybridDecoderLayer) for layer in self.layers):
+                raise NotImplementedError(_ATTN_RES_PP_ERROR)
             blocks = inputs_embeds[None]
-            for layer in self.layers:
-                hidden_states, blocks = layer(hidden_states, blocks, attention_mask=masks[layer.layer_type],
+            for layer, layer_type in zip(self.layers, layer_types):
+                hidden_states, blocks = layer(hidden_states, blocks, attention_mask=masks[layer_type],
                                               position_ids=position_ids, past_key_values=past_key_values,
                                               packed=packed, **kwargs)
             hidden_states = self.final_res(blocks, hidden_states)
@@ -762,6 +805,9 @@ def router_load_balancing_loss(router_logits, routers, attention_mask: torch.Ten
 
 class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # the decoder's plans are the config's base_model_*_plan (docs/parallelism.md)
+    _tp_plan = {"lm_head": "colwise_gather_output"}
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__(config)

@@ -127,6 +127,8 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
 
 class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.language_model.embed_tokens.weight"}
+    _tp_plan = {"lm_head": "colwise_gather_output"}  # as the text model (docs/parallelism.md)
+    _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)

@@ -164,7 +164,7 @@ class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
 
 
 class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
-    """Kimi Delta Attention layer (SPEC 1.2):
+    """Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692):
         q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
         g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
         o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
@@ -553,7 +553,7 @@ class KimiHybridDepthKeyNorm(nn.Module):
 
 
 class KimiHybridDepthAttention(nn.Module):
-    """Attention Residuals (SPEC 4): a sublayer's input is softmax attention over depth,
+    """Attention Residuals (arXiv 2603.15031): a sublayer's input is softmax attention over depth,
     x = sum_i softmax_i(q . RMSNorm(v_i)) v_i over the sources: the completed blocks [n, B, T, d]
     (the embedding first) and the current partial sum [B, T, d] (None before the first sublayer).
     The pseudo-query q starts at zero (a uniform average: the residual sum up to the scale that the
@@ -680,7 +680,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     def _init_weights(self, module):
         super()._init_weights(module)
         std = self.config.initializer_range
-        if isinstance(module, KimiDeltaAttention):  # SPEC 1.2 / fla
+        if isinstance(module, KimiDeltaAttention):  # as Kimi Linear / fla initialise them
             init.copy_(module.A_log, torch.empty_like(module.A_log).uniform_(1.0, 16.0).log())
             dt = torch.empty_like(module.dt_bias).uniform_(math.log(1e-3), math.log(1e-1)).exp().clamp_min(1e-4)
             init.copy_(module.dt_bias, dt + torch.log(-torch.expm1(-dt)))  # inverse softplus

@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 
 
+_ALIASES: dict[str, str] = {}  # request name -> served model (--served-model-name)
+
+
 def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -> None:
     """Makes transformers' server load and serve this package's models.
 
@@ -55,18 +58,18 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
                     return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
             return load_processor(self, model_id_and_revision, gguf_file=gguf_file)
 
-        ModelManager.get_model_modality = staticmethod(get_model_modality)
-        ModelManager._load_processor = _load_processor
-        ModelManager._kimi_hf_patched = True
-    if aliases:
         resolve = serving_utils.BaseHandler._resolve_model
 
         def _resolve_model(self, body):
-            if body.get("model") in aliases:
-                body = {**body, "model": aliases[body["model"]]}
+            if body.get("model") in _ALIASES:
+                body = {**body, "model": _ALIASES[body["model"]]}
             return resolve(self, body)
 
+        ModelManager.get_model_modality = staticmethod(get_model_modality)
+        ModelManager._load_processor = _load_processor
         serving_utils.BaseHandler._resolve_model = _resolve_model
+        ModelManager._kimi_hf_patched = True  # once per process: a second call only adds aliases
+    _ALIASES.update(aliases or {})
 
 
 def check_model_dir(model: str) -> None:

@@ -48,6 +48,15 @@ def test_native_checkpoint_uses_moonshot_naming(native_dir):
     assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in names)
 
 
+def assert_matches_native(ours, native, x):
+    """Logits within 1e-4 of the largest and the same greedy continuation of x[:, :12] (10 tokens)."""
+    with torch.no_grad():
+        a, b = ours(x).logits, native(x).logits
+        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
+        assert torch.equal(ours.generate(x[:, :12], **kw), native.generate(x[:, :12], **kw))
+
+
 def test_converted_native_model_matches_logits_and_generation(native_dir, tmp_path):
     path, native = native_dir
     out = tmp_path / "ours"
@@ -55,11 +64,7 @@ def test_converted_native_model_matches_logits_and_generation(native_dir, tmp_pa
     ours = AutoModelForCausalLM.from_pretrained(out).eval()
     assert isinstance(ours, KimiHybridForCausalLM)
     x = torch.randint(3, 101, (2, 40), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        a, b = ours(x).logits, native(x).logits
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-        assert torch.equal(ours.generate(x[:, :12], **kw), native.generate(x[:, :12], **kw))
+    assert_matches_native(ours, native, x)
 
 
 def test_round_trip_back_to_native(native_dir, tmp_path):

@@ -365,8 +365,10 @@ class KimiHybridMLA(nn.Module):
         k = torch.cat([latent, k_rope], dim=-1)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.scaling  # [B, H, T, S]
         T, S = scores.shape[-2:]
-        if attention_mask is None:  # sdpa may skip the mask: the new tokens are causal, within the filled length
-            filled = S if filled is None else filled
+        filled = S if filled is None else filled
+        # sdpa may skip the mask: the new tokens are causal, within the filled length (a one-token step over a
+        # fully filled cache, the common decode, needs none)
+        if attention_mask is None and (T > 1 or not isinstance(filled, int) or filled != S):
             rows = torch.arange(T, device=q.device)[:, None] + (filled - T)
             attention_mask = torch.arange(S, device=q.device)[None, :] <= rows  # no host sync for a tensor `filled`
         if attention_mask is not None:

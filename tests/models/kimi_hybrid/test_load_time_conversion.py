@@ -22,12 +22,10 @@ from kimi_hf.models.kimi_hybrid.conversion_mapping_kimi_hybrid import (
 
 from ...conversion.test_convert_kimi_linear import (  # noqa: F401  (fixture)
     NATIVE,
+    assert_matches_native,
     convert_kimi_linear,
     native_dir,
 )
-
-# Until the package registers the mapping itself (modeling_kimi_hybrid.py); idempotent afterwards.
-register()
 
 EMPTY = dict(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[])
 
@@ -141,11 +139,7 @@ def test_native_checkpoint_loads_directly_and_matches_transformers(native_dir):
     assert torch.equal(up[16:], raw["model.layers.3.block_sparse_moe.experts.2.w3.weight"])
     assert torch.equal(ours.model.layers[3].mlp.experts.down_proj[2], raw["model.layers.3.block_sparse_moe.experts.2.w2.weight"])
     x = _tokens(1)
-    with torch.no_grad():
-        a, b = ours(x).logits, native(x).logits
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-        assert torch.equal(ours.generate(x[:, :12], **kw), native.generate(x[:, :12], **kw))
+    assert_matches_native(ours, native, x)
 
 
 def test_load_time_conversion_equals_the_offline_converter(native_dir, offline_dir):
@@ -168,11 +162,7 @@ def test_moonshot_original_folder_loads_directly(native_dir, moonshot_dir, tmp_p
     assert cfg.layer_types == NATIVE["layer_types"] and cfg.mlp_layer_types == NATIVE["mlp_layer_types"]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (4, 2, 1)
     x = _tokens(3)
-    with torch.no_grad():
-        a, b = ours(x).logits, native(x).logits
-        assert (a - b).abs().max() <= 1e-4 * b.abs().max()
-        kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=0, eos_token_id=None)
-        assert torch.equal(ours.generate(x[:, :12], **kw), native.generate(x[:, :12], **kw))
+    assert_matches_native(ours, native, x)
     convert_kimi_linear.main([str(moonshot_dir), str(tmp_path / "offline"), "--no-progress"])
     _assert_same_state(ours, KimiHybridForCausalLM.from_pretrained(tmp_path / "offline", dtype=torch.float32))
     # saved again: our auto_map and code, not the original folder's remote-code entries

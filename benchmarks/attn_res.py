@@ -19,13 +19,16 @@ import statistics
 import sys
 import time
 
+
 sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from common import Timing, argument_parser, save_plot, spread_cell, spread_warning, warn  # noqa: E402
+
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
 
@@ -33,11 +36,27 @@ from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
 def config(args, mode: str) -> KimiHybridTextConfig:
     h = args.hidden
     return KimiHybridTextConfig(
-        vocab_size=259, hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h, num_hidden_layers=args.layers,
-        mlp_layer_types=["dense"] * args.layers, num_attention_heads=4, kv_lora_rank=64, qk_nope_head_dim=32,
-        qk_rope_head_dim=16, v_head_dim=32, num_experts=4, num_experts_per_tok=2, linear_num_heads=4,
-        linear_head_dim=h // 4, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
-        attn_residual=mode, attn_residual_block_size=args.block_size if mode == "block" else None)
+        vocab_size=259,
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h,
+        num_hidden_layers=args.layers,
+        mlp_layer_types=["dense"] * args.layers,
+        num_attention_heads=4,
+        kv_lora_rank=64,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_heads=4,
+        linear_head_dim=h // 4,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        attn_residual=mode,
+        attn_residual_block_size=args.block_size if mode == "block" else None,
+    )
 
 
 def sublayer_input_rms(model, x) -> list[float]:
@@ -45,7 +64,9 @@ def sublayer_input_rms(model, x) -> list[float]:
     rms, hooks = [], []
     for layer in model.model.layers:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            hooks.append(norm.register_forward_pre_hook(lambda m, inp: rms.append(inp[0].float().pow(2).mean().sqrt().item())))
+            hooks.append(
+                norm.register_forward_pre_hook(lambda m, inp: rms.append(inp[0].float().pow(2).mean().sqrt().item()))
+            )
     with torch.no_grad():
         model(x, use_cache=False)
     for h in hooks:
@@ -72,8 +93,10 @@ def depth_weights(model, x) -> torch.Tensor:
 def layer_grad_norms(model, x) -> list[float]:
     model.zero_grad()
     model(x, labels=x, use_cache=False).loss.backward()
-    norms = [math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in layer.parameters() if p.grad is not None))
-             for layer in model.model.layers]
+    norms = [
+        math.sqrt(sum(p.grad.float().pow(2).sum().item() for p in layer.parameters() if p.grad is not None))
+        for layer in model.model.layers
+    ]
     model.zero_grad()
     return norms
 
@@ -94,7 +117,8 @@ def interleaved_step_times(models: dict, x, rounds: int) -> dict[str, Timing]:
 def train(model, corpus, args, label):
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
+    )
     val = [corpus.batch(i, args.batch, args.seq, split="val") for i in range(4)]
     times, curve = [], []
     model.train()
@@ -115,7 +139,7 @@ def train(model, corpus, args, label):
             model.train()
             curve.append((step, v))
             print(f"{label:9s} step {step:4d} train {loss.item():.4f} val {v:.4f}", flush=True)
-    return curve, Timing(tuple(times[len(times) // 5:]))  # the first steps warm up
+    return curve, Timing(tuple(times[len(times) // 5 :]))  # the first steps warm up
 
 
 def main(argv=None):
@@ -143,25 +167,48 @@ def main(argv=None):
     for label, model in (("baseline", base), ("attn_res", ar)):
         curve, step_time = train(model, corpus, args, label)
         model.eval()
-        results[label] = dict(curve=curve, step=step_time, rms=sublayer_input_rms(model, probe),
-                              grads=layer_grad_norms(model.train(), probe))
+        results[label] = dict(
+            curve=curve,
+            step=step_time,
+            rms=sublayer_input_rms(model, probe),
+            grads=layer_grad_norms(model.train(), probe),
+        )
     b, a = results["baseline"], results["attn_res"]
-    steps = interleaved_step_times({"baseline": base.train(), "attn_res": ar.train()},
-                                   corpus.batch(1, args.batch, args.seq, seed=args.seed), args.timing_rounds)
+    steps = interleaved_step_times(
+        {"baseline": base.train(), "attn_res": ar.train()},
+        corpus.batch(1, args.batch, args.seq, seed=args.seed),
+        args.timing_rounds,
+    )
     n_blocks = -(-2 * args.layers // args.block_size)
-    print(f"\n# {args.layers} layers ({2 * args.layers} sublayers), hidden {args.hidden}, blocks of {args.block_size} "
-          f"sublayers ({n_blocks} blocks), {args.steps} steps, batch {args.batch} x {args.seq} bytes")
-    print("\n| | final val loss | s/step in training | fwd+bwd s, interleaved | spread | overhead (interleaved) |\n"
-          "|---|---|---|---|---|---|")
+    print(
+        f"\n# {args.layers} layers ({2 * args.layers} sublayers), hidden {args.hidden}, blocks of {args.block_size} "
+        f"sublayers ({n_blocks} blocks), {args.steps} steps, batch {args.batch} x {args.seq} bytes"
+    )
+    print(
+        "\n| | final val loss | s/step in training | fwd+bwd s, interleaved | spread | overhead (interleaved) |\n"
+        "|---|---|---|---|---|---|"
+    )
     overhead = steps["attn_res"].median / steps["baseline"].median - 1
-    print(f"| baseline | {b['curve'][-1][1]:.4f} | {b['step'].median:.3f} | {steps['baseline'].median:.3f} "
-          f"| {spread_cell(b['step'], steps['baseline'])} | |")
-    print(f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step'].median:.3f} | {steps['attn_res'].median:.3f} "
-          f"| {spread_cell(a['step'], steps['attn_res'])} | {100 * overhead:+.1f}% |")
+    print(
+        f"| baseline | {b['curve'][-1][1]:.4f} | {b['step'].median:.3f} | {steps['baseline'].median:.3f} "
+        f"| {spread_cell(b['step'], steps['baseline'])} | |"
+    )
+    print(
+        f"| Block AttnRes | {a['curve'][-1][1]:.4f} | {a['step'].median:.3f} | {steps['attn_res'].median:.3f} "
+        f"| {spread_cell(a['step'], steps['attn_res'])} | {100 * overhead:+.1f}% |"
+    )
     print("(spread: interquartile range / median of the steps, the worst of the row; '!': too noisy to compare)")
-    warn(spread_warning({"baseline training steps": b["step"], "AttnRes training steps": a["step"],
-                         "baseline interleaved": steps["baseline"], "AttnRes interleaved": steps["attn_res"]},
-                        "step times"))
+    warn(
+        spread_warning(
+            {
+                "baseline training steps": b["step"],
+                "AttnRes training steps": a["step"],
+                "baseline interleaved": steps["baseline"],
+                "AttnRes interleaved": steps["attn_res"],
+            },
+            "step times",
+        )
+    )
     print("\n| sublayer | input RMS baseline | input RMS AttnRes |\n|---|---|---|")
     for s, (rb, ra) in enumerate(zip(b["rms"], a["rms"])):
         print(f"| {s} ({'attn' if s % 2 == 0 else 'mlp'}) | {rb:.3f} | {ra:.3f} |")
@@ -169,14 +216,19 @@ def main(argv=None):
     for i, (gb, ga) in enumerate(zip(b["grads"], a["grads"])):
         print(f"| {i} | {gb:.4f} | {ga:.4f} |")
     cv = lambda g: statistics.pstdev(g) / statistics.mean(g)  # noqa: E731
-    print(f"\ngrad-norm spread across layers (std / mean): baseline {cv(b['grads']):.2f}, AttnRes {cv(a['grads']):.2f}")
+    print(
+        f"\ngrad-norm spread across layers (std / mean): baseline {cv(b['grads']):.2f}, AttnRes {cv(a['grads']):.2f}"
+    )
     weights = depth_weights(ar.eval(), probe)
 
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
         im = ax1.imshow(weights.numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1)
-        ax1.set(xlabel="source (0 = embedding, then blocks, then the partial sum)", ylabel="sublayer (last row: final)",
-                title="learned depth-attention weights")
+        ax1.set(
+            xlabel="source (0 = embedding, then blocks, then the partial sum)",
+            ylabel="sublayer (last row: final)",
+            title="learned depth-attention weights",
+        )
         fig.colorbar(im, ax=ax1)
         ax2.plot(b["rms"], label="baseline (residual sum)")
         ax2.plot(a["rms"], label="Block AttnRes")

@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import dataclass
 
+
 # interquartile range / median above which a timing is too noisy for the ratios built on it
 NOISY_SPREAD = 0.25
 QUIET_HINT = "rerun on a quiet machine or pin threads (e.g. OMP_NUM_THREADS=1 taskset -c 0 ...), with more repeats"
@@ -108,9 +109,11 @@ def spread_warning(timings: dict[str, Timing], what: str = "timings") -> str | N
         return None
     worst = sorted(noisy.items(), key=lambda kv: -kv[1].spread)
     listed = ", ".join(f"{label} {t.spread:.0%}" for label, t in worst[:6]) + (", ..." if len(worst) > 6 else "")
-    return (f"WARNING: {len(noisy)} noisy {what} (spread = interquartile range / median of the repeats above "
-            f"{NOISY_SPREAD:.0%}: {listed}): the ratios that use them are unreliable, possibly meaningless; "
-            f"{QUIET_HINT}")
+    return (
+        f"WARNING: {len(noisy)} noisy {what} (spread = interquartile range / median of the repeats above "
+        f"{NOISY_SPREAD:.0%}: {listed}): the ratios that use them are unreliable, possibly meaningless; "
+        f"{QUIET_HINT}"
+    )
 
 
 def scaling_warning(what: str, small: Timing, large: Timing, small_size: float, large_size: float) -> str | None:
@@ -120,8 +123,10 @@ def scaling_warning(what: str, small: Timing, large: Timing, small_size: float, 
     ratio, linear = large.median / small.median, large_size / small_size
     if 0.8 <= ratio <= 3 * linear or math.isnan(ratio):
         return None
-    return (f"WARNING: {what}: time({large_size:g}) / time({small_size:g}) = {ratio:.2f} is implausible for a "
-            f"linear-time operator (expected about 1 to {linear:g}): the load changed between the two; {QUIET_HINT}")
+    return (
+        f"WARNING: {what}: time({large_size:g}) / time({small_size:g}) = {ratio:.2f} is implausible for a "
+        f"linear-time operator (expected about 1 to {linear:g}): the load changed between the two; {QUIET_HINT}"
+    )
 
 
 def warn(line: str | None) -> bool:

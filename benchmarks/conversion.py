@@ -18,21 +18,40 @@ import tempfile
 
 import torch
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from common import argument_parser  # noqa: E402
+
 from kimi_hf.conversion.checkpoint import ShardedWriter, parse_size  # noqa: E402
 from kimi_hf.conversion.kimi_linear import _groups, expected_shapes, ours_to_native  # noqa: E402
+
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 
 
 def synthetic(path: str, args) -> dict:
-    cfg = dict(model_type="kimi_hybrid_text", vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
-               moe_intermediate_size=args.hidden // 2, num_hidden_layers=args.layers, num_attention_heads=8,
-               kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, num_experts=args.experts,
-               num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=8, linear_head_dim=args.hidden // 8,
-               pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = dict(
+        model_type="kimi_hybrid_text",
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        moe_intermediate_size=args.hidden // 2,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        kv_lora_rank=256,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        num_experts=args.experts,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        linear_num_heads=8,
+        linear_head_dim=args.hidden // 8,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     shapes = expected_shapes(cfg)
     with ShardedWriter(path, parse_size(args.shard)) as w:
         for names in _groups(list(shapes)):
@@ -67,15 +86,29 @@ def main(argv=None):
         src, dst = os.path.join(tmp, "native"), os.path.join(tmp, "ours")
         info = synthetic(src, args)
         floor = peak_of(["-c", "import kimi_hf, kimi_hf.conversion"])
-        peak = peak_of([os.path.join(ROOT, "conversion", "convert_kimi_linear.py"), src, dst,
-                             "--max-shard-size", args.shard, "--no-progress"])
+        peak = peak_of(
+            [
+                os.path.join(ROOT, "conversion", "convert_kimi_linear.py"),
+                src,
+                dst,
+                "--max-shard-size",
+                args.shard,
+                "--no-progress",
+            ]
+        )
         shards = len([f for f in os.listdir(dst) if f.endswith(".safetensors")])
     mb = lambda b: b / 2**20  # noqa: E731
-    print(f"# streaming conversion, fp32 synthetic Kimi Linear ({args.layers} layers, hidden {args.hidden}, {args.experts} experts)")
-    print("| checkpoint MB | largest tensor MB | shard MB | output shards | import-only MB | converter peak MB | peak - import-only MB |")
+    print(
+        f"# streaming conversion, fp32 synthetic Kimi Linear ({args.layers} layers, hidden {args.hidden}, {args.experts} experts)"
+    )
+    print(
+        "| checkpoint MB | largest tensor MB | shard MB | output shards | import-only MB | converter peak MB | peak - import-only MB |"
+    )
     print("|---|---|---|---|---|---|---|")
-    print(f"| {mb(info['bytes']):.0f} | {mb(info['largest']):.0f} | {mb(parse_size(args.shard)):.0f} | {shards} | {floor:.0f} | "
-          f"{peak:.0f} | {peak - floor:.0f} |")
+    print(
+        f"| {mb(info['bytes']):.0f} | {mb(info['largest']):.0f} | {mb(parse_size(args.shard)):.0f} | {shards} | {floor:.0f} | "
+        f"{peak:.0f} | {peak - floor:.0f} |"
+    )
 
 
 if __name__ == "__main__":

@@ -18,10 +18,12 @@ import os
 import subprocess
 import sys
 
+
 if "--cuda" not in sys.argv:  # CPU peers are transformers' torch fallbacks; keep fla's CPU warning out
     sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
+
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -35,6 +37,7 @@ from common import (  # noqa: E402
     timed,
     warn,
 )
+
 
 IMPLS = ("ours", "hf_chunk", "hf_loop")
 
@@ -115,15 +118,26 @@ def main(argv=None):
     p.add_argument("--K", type=int, default=64, help="key head dim")
     p.add_argument("--V", type=int, default=64, help="value head dim")
     p.add_argument("--repeats", type=int, default=5, help="timed calls of ours (peers: at most 3) after a warm-up")
-    p.add_argument("--budget", type=float, default=None,
-                   help="seconds of repeats per cell after which to stop (keeping at least 3 repeats)")
-    p.add_argument("--quick", action="store_true",
-                   help="T in 256, 512, 1024, 5 repeats for all, a 3 s budget per cell, no memory: about a minute")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="seconds of repeats per cell after which to stop (keeping at least 3 repeats)",
+    )
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="T in 256, 512, 1024, 5 repeats for all, a 3 s budget per cell, no memory: about a minute",
+    )
     p.add_argument("--cuda", action="store_true", help="the CUDA section instead (kda_cuda.py; --help there)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--max-T-hf-chunk", type=int, default=4096, help="largest T for the slow chunked fallback")
-    p.add_argument("--max-T-peer-backward", type=int, default=4096,
-                   help="largest T for the peers' forward+backward (the token loop's autograd takes minutes at 8192)")
+    p.add_argument(
+        "--max-T-peer-backward",
+        type=int,
+        default=4096,
+        help="largest T for the peers' forward+backward (the token loop's autograd takes minutes at 8192)",
+    )
     args = p.parse_args(argv)
     peer_repeats = max(1, min(3, args.repeats))
     if args.quick:
@@ -131,9 +145,11 @@ def main(argv=None):
         args.T, args.repeats, peer_repeats, args.no_memory = [256, 512, 1024], 5, 5, True
         args.budget = args.budget or 3.0
     torch.set_flush_denormal(True)
-    print(f"# KDA on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"B=1 H={args.H} K={args.K} V={args.V}, fp32, median of {args.repeats} (peers {peer_repeats})"
-          f"{'; no memory column (--quick)' if args.quick else ''}")
+    print(
+        f"# KDA on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"B=1 H={args.H} K={args.K} V={args.V}, fp32, median of {args.repeats} (peers {peer_repeats})"
+        f"{'; no memory column (--quick)' if args.quick else ''}"
+    )
     print("# spread: interquartile range / median of a cell's repeats, the worst of the row ('!': too noisy)")
     ours_times, all_times = {}, {}
     for backward in (False, True):
@@ -147,21 +163,28 @@ def main(argv=None):
             res = {}
             for impl in IMPLS:
                 if (impl == "hf_chunk" and T > args.max_T_hf_chunk) or (
-                        impl != "ours" and backward and T > args.max_T_peer_backward):
+                    impl != "ours" and backward and T > args.max_T_peer_backward
+                ):
                     res[impl] = (NOT_RUN, float("nan"))
                     continue
                 xs = make_inputs(T, args.H, args.K, args.V, requires_grad=backward)
                 fn = runner(impl)
-                t = timed(lambda: call(fn, xs, backward), args.repeats if impl == "ours" else peer_repeats,
-                          budget_s=args.budget)
+                t = timed(
+                    lambda: call(fn, xs, backward),
+                    args.repeats if impl == "ours" else peer_repeats,
+                    budget_s=args.budget,
+                )
                 mem = float("nan") if args.no_memory else peak_memory_mb(impl, T, args.H, args.K, args.V, backward)
                 res[impl] = (t, mem)
                 mode_times[f"T={T} {impl}"] = t
             ours_times[(backward, T)] = res["ours"][0]
             (to, mo), (tc, mc), (tl, ml) = (res[i] for i in IMPLS)
             mb = "" if args.no_memory else f" {mo:.0f} | {mc:.0f} | {ml:.0f} |"
-            print(f"| {T} | {to.ms:.1f} | {tc.ms:.1f} | {tl.ms:.1f} | {spread_cell(to, tc, tl)} |{mb} "
-                  f"{tc.median / to.median:.1f}x | {tl.median / to.median:.1f}x |", flush=True)
+            print(
+                f"| {T} | {to.ms:.1f} | {tc.ms:.1f} | {tl.ms:.1f} | {spread_cell(to, tc, tl)} |{mb} "
+                f"{tc.median / to.median:.1f}x | {tl.median / to.median:.1f}x |",
+                flush=True,
+            )
         warn(spread_warning(mode_times, f"{mode} timings"))
         all_times.update({f"{k} ({'fwd+bwd' if backward else 'fwd'})": v for k, v in mode_times.items()})
     lo, hi = (2048, 8192) if {2048, 8192} <= set(args.T) else (min(args.T), max(args.T))
@@ -169,8 +192,10 @@ def main(argv=None):
         for backward in (False, True):
             label = "fwd+bwd" if backward else "fwd"
             ratio, low, high = ratio_range(ours_times[(backward, hi)], ours_times[(backward, lo)])
-            print(f"\nscaling ({label}): time({hi}) / time({lo}) = {ratio:.2f} (the repeats allow {low:.2f} to "
-                  f"{high:.2f}; linear: {hi / lo:.0f})")
+            print(
+                f"\nscaling ({label}): time({hi}) / time({lo}) = {ratio:.2f} (the repeats allow {low:.2f} to "
+                f"{high:.2f}; linear: {hi / lo:.0f})"
+            )
             warn(scaling_warning(f"scaling ({label})", ours_times[(backward, lo)], ours_times[(backward, hi)], lo, hi))
     return all_times
 

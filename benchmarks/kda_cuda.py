@@ -23,9 +23,11 @@ import sys
 
 import torch
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from common import NOT_RUN, Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
+
 from kimi_hf.ops import chunk_kda, recurrent_kda  # noqa: E402
 
 
@@ -36,7 +38,8 @@ def rel_rms(a, b):
 
 def fla_ops():
     try:
-        from fla.ops.kda import chunk_kda as fla_chunk, fused_recurrent_kda as fla_rec
+        from fla.ops.kda import chunk_kda as fla_chunk
+        from fla.ops.kda import fused_recurrent_kda as fla_rec
     except ImportError:
         return None, None
     return fla_chunk, fla_rec
@@ -136,14 +139,26 @@ def speed(args, device):
     fla_chunk, _ = fla_ops()
     rows = []
     for fused in (False, True):
-        print(f"\n## chunked KDA, {'fused gate + sigmoid(beta) + l2norm' if fused else 'precomputed gate, l2norm in kernel'}: "
-              f"B=1 H={args.H} K=V={args.D}, {args.dtype}")
+        print(
+            f"\n## chunked KDA, {'fused gate + sigmoid(beta) + l2norm' if fused else 'precomputed gate, l2norm in kernel'}: "
+            f"B=1 H={args.H} K=V={args.D}, {args.dtype}"
+        )
         print("| T | mode | ours ms | fla ms | spread | ours / fla time | ours MB | fla MB |")
         print("|---|---|---|---|---|---|---|---|")
         times = {}
         for T in args.T:
             for backward in (False, True):
-                xs = inputs(1, T, args.H, args.D, args.D, getattr(torch, args.dtype), device, fused=fused, requires_grad=backward)
+                xs = inputs(
+                    1,
+                    T,
+                    args.H,
+                    args.D,
+                    args.D,
+                    getattr(torch, args.dtype),
+                    device,
+                    fused=fused,
+                    requires_grad=backward,
+                )
                 gp = gate_params(args.H, args.D, device) if fused else None
                 do = torch.randn(1, T, args.H, args.D, device=device).to(xs[0].dtype)
                 res = {}
@@ -151,12 +166,14 @@ def speed(args, device):
                 if fla_chunk is not None:
                     impls["fla"] = fla_call(fla_chunk, fused, gp)
                 for name, fn in impls.items():
+
                     def step(fn=fn):
                         if backward:
                             fn(*xs)[0].backward(do)
                         else:
                             with torch.no_grad():
                                 fn(*xs)
+
                     try:
                         res[name] = (bench(step, device), peak_mb(step, device))
                     except Exception as e:
@@ -166,10 +183,24 @@ def speed(args, device):
                 (to, mo), (tf, mf) = (res.get(name, (NOT_RUN, float("nan"))) for name in ("ours", "fla"))
                 mode = "fwd+bwd" if backward else "fwd"
                 times.update({f"T={T} {mode} ours": to, f"T={T} {mode} fla": tf})
-                print(f"| {T} | {mode} | {to.ms:.2f} | {tf.ms:.2f} | {spread_cell(to, tf)} "
-                      f"| {to.median / tf.median:.2f} | {mo:.0f} | {mf:.0f} |", flush=True)
-                rows.append(dict(T=T, mode=mode, fused=fused, ours_ms=to.ms, fla_ms=tf.ms, ours_spread=to.spread,
-                                 fla_spread=tf.spread, ours_mb=mo, fla_mb=mf))
+                print(
+                    f"| {T} | {mode} | {to.ms:.2f} | {tf.ms:.2f} | {spread_cell(to, tf)} "
+                    f"| {to.median / tf.median:.2f} | {mo:.0f} | {mf:.0f} |",
+                    flush=True,
+                )
+                rows.append(
+                    dict(
+                        T=T,
+                        mode=mode,
+                        fused=fused,
+                        ours_ms=to.ms,
+                        fla_ms=tf.ms,
+                        ours_spread=to.spread,
+                        fla_spread=tf.spread,
+                        ours_mb=mo,
+                        fla_mb=mf,
+                    )
+                )
         warn(spread_warning(times, "chunk timings"))
     return rows
 
@@ -184,8 +215,10 @@ def decode(args, device):
     for B in args.decode_batch:
         xs = inputs(B, 1, args.H, args.D, args.D, dtype, device, seed=B)
         h0 = torch.randn(B, args.H, args.D, args.D, device=device) * 0.1
-        ours = lambda: recurrent_kda(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm=True,  # noqa: E731
-                                     backend="triton")
+
+        def ours():
+            return recurrent_kda(*xs, initial_state=h0, output_final_state=True, use_qk_l2norm=True, backend="triton")
+
         with torch.no_grad():
             t_o, o_ours = bench(ours, device), ours()[0]
             t_f, diff = NOT_RUN, float("nan")
@@ -196,10 +229,21 @@ def decode(args, device):
                 except Exception as e:
                     print(f"<!-- fla decode failed: {type(e).__name__}: {str(e)[:120]} -->")
         times.update({f"B={B} ours": t_o, f"B={B} fla": t_f})
-        print(f"| {B} | {t_o.median * 1e6:.1f} | {t_f.median * 1e6:.1f} | {spread_cell(t_o, t_f)} "
-              f"| {t_o.median / t_f.median:.2f} | {diff:.1e} |", flush=True)
-        rows.append(dict(B=B, ours_us=t_o.median * 1e6, fla_us=t_f.median * 1e6, ours_spread=t_o.spread,
-                         fla_spread=t_f.spread, max_abs_diff=diff))
+        print(
+            f"| {B} | {t_o.median * 1e6:.1f} | {t_f.median * 1e6:.1f} | {spread_cell(t_o, t_f)} "
+            f"| {t_o.median / t_f.median:.2f} | {diff:.1e} |",
+            flush=True,
+        )
+        rows.append(
+            dict(
+                B=B,
+                ours_us=t_o.median * 1e6,
+                fla_us=t_f.median * 1e6,
+                ours_spread=t_o.spread,
+                fla_spread=t_f.spread,
+                max_abs_diff=diff,
+            )
+        )
     warn(spread_warning(times, "decode timings"))
     return rows
 

@@ -15,23 +15,40 @@ import os
 import sys
 import time
 
+
 sys.modules.setdefault("fla", None)  # native kimi_linear would pick fla's Triton kernels and fail on CPU
 
 import torch  # noqa: E402
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
-from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 
+
 SIZE = dict(
-    vocab_size=1024, hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=4,
-    num_attention_heads=4, kv_lora_rank=128, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64,
-    num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=4, linear_head_dim=64,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    layer_types=["linear_attention"] * 3 + ["full_attention"], mlp_layer_types=["dense"] + ["sparse"] * 3,
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    linear_num_heads=4,
+    linear_head_dim=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    mlp_layer_types=["dense"] + ["sparse"] * 3,
 )
 EXPERTS = 8
 
@@ -79,8 +96,10 @@ def main(argv=None):
     torch.set_flush_denormal(True)
     ours, native = models()
     n_params = sum(p.numel() for p in ours.parameters())
-    print(f"# hybrid model on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, "
-          f"{n_params / 1e6:.1f}M params (3 KDA + 1 MLA layers, {EXPERTS} experts top-2), B=1")
+    print(
+        f"# hybrid model on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, "
+        f"{n_params / 1e6:.1f}M params (3 KDA + 1 MLA layers, {EXPERTS} experts top-2), B=1"
+    )
 
     print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
     print("\n## forward (no cache)")
@@ -93,8 +112,11 @@ def main(argv=None):
             t_ours = timed(lambda: ours(x, use_cache=False), args.repeats)
             t_nat = timed(lambda: native(x, use_cache=False), 1 if T > 2048 else args.repeats)
         times.update({f"forward T={T} ours": t_ours, f"forward T={T} native": t_nat})
-        print(f"| {T} | {t_ours.ms:.1f} | {t_nat.ms:.1f} | {spread_cell(t_ours, t_nat)} | "
-              f"{t_nat.median / t_ours.median:.1f}x |", flush=True)
+        print(
+            f"| {T} | {t_ours.ms:.1f} | {t_nat.ms:.1f} | {spread_cell(t_ours, t_nat)} | "
+            f"{t_nat.median / t_ours.median:.1f}x |",
+            flush=True,
+        )
     warn(spread_warning(times, "forward timings"))
 
     print(f"\n## decode (greedy, B=1, {args.decode_tokens} new tokens after the prompt; spread: of the token times)")
@@ -105,12 +127,17 @@ def main(argv=None):
         t_ours = decode_step_times(ours, prompt, args.decode_tokens)
         t_nat = decode_step_times(native, prompt, args.decode_tokens)
         times.update({f"decode prompt={prompt} ours": t_ours, f"decode prompt={prompt} native": t_nat})
-        print(f"| {prompt} | {1 / t_ours.median:.0f} | {1 / t_nat.median:.0f} | {spread_cell(t_ours, t_nat)} | "
-              f"{t_nat.median / t_ours.median:.2f}x |", flush=True)
+        print(
+            f"| {prompt} | {1 / t_ours.median:.0f} | {1 / t_nat.median:.0f} | {spread_cell(t_ours, t_nat)} | "
+            f"{t_nat.median / t_ours.median:.2f}x |",
+            flush=True,
+        )
     warn(spread_warning(times, "decode timings"))
 
     print("\n## cache after T tokens (fp32) vs an all-MLA model of the same size")
-    mla = KimiHybridForCausalLM(KimiHybridTextConfig(**{**SIZE, "layer_types": ["full_attention"] * 4}, num_experts=EXPERTS)).eval()
+    mla = KimiHybridForCausalLM(
+        KimiHybridTextConfig(**{**SIZE, "layer_types": ["full_attention"] * 4}, num_experts=EXPERTS)
+    ).eval()
     print("| T | hybrid bytes/token | all-MLA bytes/token | ratio |")
     print("|---|---|---|---|")
     for T in args.T:

@@ -12,14 +12,15 @@ import sys
 
 import torch
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import argument_parser, save_plot  # noqa: E402
+from muon_vs_adamw import config  # noqa: E402
 
 from kimi_hf import KimiHybridForCausalLM  # noqa: E402
 from kimi_hf.data import ByteCorpus  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
-
-from common import argument_parser, save_plot  # noqa: E402
-from muon_vs_adamw import config  # noqa: E402
 
 
 def run(clip: bool, args, corpus):
@@ -54,8 +55,12 @@ def main(argv=None):
     torch.set_flush_denormal(True)
     corpus = ByteCorpus(max_bytes=2_000_000)
     runs = {"no clip": run(False, args, corpus), "QK-Clip": run(True, args, corpus)}
-    print(f"# Muon lr {args.lr}, tau {args.tau}, {args.steps} steps: training loss and max pre-softmax logit (MLA layer)")
-    print("| step | loss (no clip) | max logit (no clip) | loss (QK-Clip) | max logit (QK-Clip) | heads clipped so far |")
+    print(
+        f"# Muon lr {args.lr}, tau {args.tau}, {args.steps} steps: training loss and max pre-softmax logit (MLA layer)"
+    )
+    print(
+        "| step | loss (no clip) | max logit (no clip) | loss (QK-Clip) | max logit (QK-Clip) | heads clipped so far |"
+    )
     print("|---|---|---|---|---|---|")
     every = max(1, args.steps // 10)
     for a, b in zip(runs["no clip"], runs["QK-Clip"]):
@@ -65,8 +70,11 @@ def main(argv=None):
     # the logit recorded during a step is clipped after it: from step 2 on, QK-Clip's never exceeds tau
     after_first = max(r[2] for r in runs["QK-Clip"][1:])
     tail = {k: sum(r[1] for r in v[-20:]) / 20 for k, v in runs.items()}
-    print(f"\npeak max logit: no clip {peak['no clip']:.1f}, QK-Clip {peak['QK-Clip']:.1f} (after step 1: {after_first:.1f}, "
-          f"tau {args.tau}); mean loss of the last 20 steps: no clip {tail['no clip']:.3f}, QK-Clip {tail['QK-Clip']:.3f}")
+    print(
+        f"\npeak max logit: no clip {peak['no clip']:.1f}, QK-Clip {peak['QK-Clip']:.1f} (after step 1: {after_first:.1f}, "
+        f"tau {args.tau}); mean loss of the last 20 steps: no clip {tail['no clip']:.3f}, QK-Clip {tail['QK-Clip']:.3f}"
+    )
+
     def draw(fig):
         ax1, ax2 = fig.subplots(1, 2)
         for name, rows in runs.items():
@@ -80,6 +88,7 @@ def main(argv=None):
         ax2.legend()
 
     save_plot(args.out, draw, figsize=(11, 4))
+
 
 if __name__ == "__main__":
     main()

@@ -15,34 +15,49 @@ from __future__ import annotations
 import os
 import sys
 
+
 sys.modules.setdefault("fla", None)
 
 import torch  # noqa: E402
 
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from common import argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config, Kimi_K25VisionConfig  # noqa: E402
 from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25MultimodalProjection, Kimi_K25VisionModel  # noqa: E402
 
-from common import argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
 from kimi_hf import KimiHybridVisionConfig, KimiHybridVisionModel  # noqa: E402
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid_vision import KimiHybridMultimodalProjector  # noqa: E402
 
 
 def towers(args):
-    size = dict(hidden_size=args.hidden, num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                intermediate_size=args.intermediate)
+    size = dict(
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        intermediate_size=args.intermediate,
+    )
     torch.manual_seed(0)
-    ref = Kimi_K25VisionModel(Kimi_K25VisionConfig(**size, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}))
-    ref_proj = Kimi_K25MultimodalProjection(Kimi_K25Config(text_config={"model_type": "deepseek_v3", "hidden_size": args.text_hidden},
-                                                           vision_config=size, projection_hidden_size=args.hidden))
+    ref = Kimi_K25VisionModel(
+        Kimi_K25VisionConfig(**size, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    )
+    ref_proj = Kimi_K25MultimodalProjection(
+        Kimi_K25Config(
+            text_config={"model_type": "deepseek_v3", "hidden_size": args.text_hidden},
+            vision_config=size,
+            projection_hidden_size=args.hidden,
+        )
+    )
     ours = KimiHybridVisionModel(KimiHybridVisionConfig(**size))
     ours_proj = KimiHybridMultimodalProjector(args.hidden, 4, args.text_hidden)
     ours.load_state_dict(ref.state_dict())
     ours_proj.load_state_dict(ref_proj.state_dict())
     for m in (ref, ref_proj, ours, ours_proj):
         m.eval()
-    return (lambda pv, g: ref_proj(ref(pv, grid_thw=g).pooler_output).squeeze(1)), (lambda pv, g: ours_proj(ours(pv, g).pooler_output))
+    return (lambda pv, g: ref_proj(ref(pv, grid_thw=g).pooler_output).squeeze(1)), (
+        lambda pv, g: ours_proj(ours(pv, g).pooler_output)
+    )
 
 
 def main(argv=None):
@@ -59,8 +74,10 @@ def main(argv=None):
     torch.set_flush_denormal(True)
     ref, ours = towers(args)
     side = args.size // 14
-    print(f"# vision tower on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; hidden {args.hidden}, "
-          f"{args.layers} layers, {args.heads} heads; {args.size} x {args.size} images ({side} x {side} patches); median of {args.repeats}")
+    print(
+        f"# vision tower on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; hidden {args.hidden}, "
+        f"{args.layers} layers, {args.heads} heads; {args.size} x {args.size} images ({side} x {side} patches); median of {args.repeats}"
+    )
     print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
     print("| images | ours ms | kimi_k25 ms | spread | speed-up | max abs diff |")
     print("|---|---|---|---|---|---|")
@@ -73,8 +90,11 @@ def main(argv=None):
             t_ref = timed(lambda: ref(pv, grid), args.repeats)
             t_ours = timed(lambda: ours(pv, grid), args.repeats)
         times.update({f"{n} images ours": t_ours, f"{n} images kimi_k25": t_ref})
-        print(f"| {n} | {t_ours.ms:.1f} | {t_ref.ms:.1f} | {spread_cell(t_ours, t_ref)} "
-              f"| {t_ref.median / t_ours.median:.2f}x | {diff:.1e} |", flush=True)
+        print(
+            f"| {n} | {t_ours.ms:.1f} | {t_ref.ms:.1f} | {spread_cell(t_ours, t_ref)} "
+            f"| {t_ref.median / t_ours.median:.2f}x | {diff:.1e} |",
+            flush=True,
+        )
     warn(spread_warning(times))
 
 

@@ -17,8 +17,7 @@ import os
 import sys
 
 import torch
-from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer,
-                          TextStreamer)
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, TextStreamer
 
 import kimi_hf  # noqa: F401  (registers the Auto classes; without it pass trust_remote_code=True)
 
@@ -37,7 +36,10 @@ def main(argv=None) -> dict:
         raise SystemExit(f"{args.model} has no config.json: run `kimi-hf quickstart` first or pass --model")
     multimodal = json.load(open(os.path.join(args.model, "config.json")))["model_type"] == "kimi_hybrid"
     if multimodal:
-        model, processor = AutoModelForImageTextToText.from_pretrained(args.model), AutoProcessor.from_pretrained(args.model)
+        model, processor = (
+            AutoModelForImageTextToText.from_pretrained(args.model),
+            AutoProcessor.from_pretrained(args.model),
+        )
         tokenizer = processor.tokenizer
     else:
         model, processor = AutoModelForCausalLM.from_pretrained(args.model), None
@@ -47,12 +49,16 @@ def main(argv=None) -> dict:
     streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
     results = {}
-    text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": args.prompt}], tokenize=False, add_generation_prompt=True
+    )
     inputs = tokenizer(text, return_tensors="pt", add_special_tokens=False)
     print(f"> {args.prompt}")
     with torch.no_grad():
-        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, repetition_penalty=1.2, **sampling)
-    results["text"] = tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, repetition_penalty=1.2, **sampling
+        )
+    results["text"] = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
     if args.no_stream:
         print(results["text"])
 
@@ -65,7 +71,9 @@ def main(argv=None) -> dict:
         print(f"\n> [{args.image}] {args.question}")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=8, streamer=streamer, **sampling)
-        results["answer"] = processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)[0].strip()
+        results["answer"] = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[
+            0
+        ].strip()
         if args.no_stream:
             print(results["answer"])
     return results

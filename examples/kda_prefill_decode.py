@@ -34,9 +34,15 @@ def main(argv=None):
     docs = []
     for L in args.lengths:  # each document: prompt of L tokens + n_dec tokens to decode
         T = L + n_dec
-        docs.append((torch.randn(1, T, H, D, generator=gen), torch.randn(1, T, H, D, generator=gen),
-                     torch.randn(1, T, H, D, generator=gen), gates((1, T, H, D), gen),
-                     torch.rand(1, T, H, generator=gen)))
+        docs.append(
+            (
+                torch.randn(1, T, H, D, generator=gen),
+                torch.randn(1, T, H, D, generator=gen),
+                torch.randn(1, T, H, D, generator=gen),
+                gates((1, T, H, D), gen),
+                torch.rand(1, T, H, generator=gen),
+            )
+        )
 
     # 1) prefill all prompts at once, packed, with cu_seqlens
     cu = torch.tensor([0] + torch.tensor(args.lengths).cumsum(0).tolist())

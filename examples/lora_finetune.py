@@ -31,6 +31,7 @@ from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.quickstart import small_multimodal_model
 from kimi_hf.tokenization import train_tokenizer
 
+
 MODULES = ["json", "csv", "random", "string", "textwrap", "heapq", "bisect", "fractions"]
 QUESTION = "Which module is this from?\n"
 
@@ -40,9 +41,15 @@ def examples(seed: int) -> list[dict]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         for name in MODULES:
-            lines = [line.strip() for line in (importlib.import_module(name).__doc__ or "").splitlines() if len(line.strip()) > 20]
-            rows += [{"messages": [{"role": "user", "content": QUESTION + line}, {"role": "assistant", "content": name}]}
-                     for line in lines[:12]]
+            lines = [
+                line.strip()
+                for line in (importlib.import_module(name).__doc__ or "").splitlines()
+                if len(line.strip()) > 20
+            ]
+            rows += [
+                {"messages": [{"role": "user", "content": QUESTION + line}, {"role": "assistant", "content": name}]}
+                for line in lines[:12]
+            ]
     random.Random(seed).shuffle(rows)
     return rows
 
@@ -50,10 +57,15 @@ def examples(seed: int) -> list[dict]:
 def load_base(model_dir: str | None, rows):
     if model_dir:
         processor = AutoProcessor.from_pretrained(model_dir)
-        multimodal = json.load(open(os.path.join(model_dir, "config.json")))["model_type"] == kimi_hf.KimiHybridConfig.model_type
+        multimodal = (
+            json.load(open(os.path.join(model_dir, "config.json")))["model_type"]
+            == kimi_hf.KimiHybridConfig.model_type
+        )
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
         return auto.from_pretrained(model_dir), processor
-    tokenizer = train_tokenizer([r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4, vocab_size=400)
+    tokenizer = train_tokenizer(
+        [r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4, vocab_size=400
+    )
     processor = kimi_hf.KimiHybridProcessor(kimi_hf.KimiHybridImageProcessor(), tokenizer)
     return small_multimodal_model(tokenizer, "tiny"), processor
 
@@ -66,7 +78,9 @@ def accuracy(model, processor, rows) -> float:
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="a save_pretrained directory with a processor (default: a fresh tiny model)")
+    p.add_argument(
+        "--model", default=None, help="a save_pretrained directory with a processor (default: a fresh tiny model)"
+    )
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--rank", type=int, default=8)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -79,22 +93,39 @@ def main(argv=None) -> dict:
     before = accuracy(base, processor, rows)
 
     pristine = copy.deepcopy(base)  # get_peft_model wraps `base` in place; the adapter is reloaded onto this copy
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=kimi_hf.LORA_TARGET_MODULES)
+    lora = LoraConfig(
+        r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=kimi_hf.LORA_TARGET_MODULES
+    )
     model = get_peft_model(base, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    print(f"LoRA r={args.rank} on {kimi_hf.LORA_TARGET_MODULES}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.1f}%)")
-    targs = TrainingArguments(output_dir=os.path.join(args.out, "trainer"), per_device_train_batch_size=16, max_steps=args.steps,
-                              learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=10, logging_steps=25,
-                              report_to=[], remove_unused_columns=False, save_strategy="no", use_cpu=not torch.cuda.is_available(),
-                              seed=args.seed, disable_tqdm=True)
+    print(
+        f"LoRA r={args.rank} on {kimi_hf.LORA_TARGET_MODULES}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.1f}%)"
+    )
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.out, "trainer"),
+        per_device_train_batch_size=16,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=10,
+        logging_steps=25,
+        report_to=[],
+        remove_unused_columns=False,
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        seed=args.seed,
+        disable_tqdm=True,
+    )
     Trainer(model=model, args=targs, train_dataset=rows, data_collator=KimiHybridVisionCollator(processor)).train()
     after = accuracy(model, processor, rows)
 
     adapter = os.path.join(args.out, "adapter")
     model.save_pretrained(adapter)
     size_kb = sum(os.path.getsize(os.path.join(adapter, f)) for f in os.listdir(adapter)) / 1024
-    probe = processor(text=[processor.apply_chat_template(rows[0]["messages"], tokenize=False)], return_tensors="pt").to(model.device)
+    probe = processor(
+        text=[processor.apply_chat_template(rows[0]["messages"], tokenize=False)], return_tensors="pt"
+    ).to(model.device)
     pristine.to(model.device)  # Trainer moved the trained model (to CUDA when present)
     model.eval()
     with torch.no_grad():
@@ -105,8 +136,16 @@ def main(argv=None) -> dict:
         merge_diff = (merged(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
     print(f"\n| | answer accuracy on the {len(rows)} training lines ({len(MODULES)} modules) |\n|---|---|")
     print(f"| base | {before:.2f} |\n| + LoRA ({args.steps} steps) | {after:.2f} |")
-    print(f"\nadapter: {adapter} ({size_kb:.0f} KB); reloaded logits differ by {reload_diff:.1e}, merged by {merge_diff:.1e}")
-    return {"before": before, "after": after, "reload_diff": reload_diff, "merge_diff": merge_diff, "adapter_kb": size_kb}
+    print(
+        f"\nadapter: {adapter} ({size_kb:.0f} KB); reloaded logits differ by {reload_diff:.1e}, merged by {merge_diff:.1e}"
+    )
+    return {
+        "before": before,
+        "after": after,
+        "reload_diff": reload_diff,
+        "merge_diff": merge_diff,
+        "adapter_kb": size_kb,
+    }
 
 
 if __name__ == "__main__":

@@ -19,8 +19,7 @@ import os
 import torch
 from transformers import Trainer, TrainingArguments
 
-from kimi_hf import (KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor,
-                     KimiHybridProcessor)
+from kimi_hf import KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor, KimiHybridProcessor
 from kimi_hf.chat import IMAGE_TOKEN, chat_stop_token_ids
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.optim import MuonClip, MuonClipCallback
@@ -31,16 +30,39 @@ from kimi_hf.tokenization import train_tokenizer
 
 def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHybridForConditionalGeneration:
     side = image_size // 14 + 1
-    text = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-                num_hidden_layers=2, layer_types=["linear_attention", "full_attention"], mlp_layer_types=["dense", "sparse"],
-                num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                num_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=2, linear_head_dim=hidden // 2,
-                pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                eos_token_id=chat_stop_token_ids(tokenizer))  # replies stop at the turn end
-    vision = dict(hidden_size=vision_hidden, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * vision_hidden,
-                  pos_emb_height=side, pos_emb_width=side)
-    config = KimiHybridConfig(text_config=text, vision_config=vision,
-                              image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse"],
+        num_attention_heads=2,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        linear_num_heads=2,
+        linear_head_dim=hidden // 2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=chat_stop_token_ids(tokenizer),
+    )  # replies stop at the turn end
+    vision = dict(
+        hidden_size=vision_hidden,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * vision_hidden,
+        pos_emb_height=side,
+        pos_emb_width=side,
+    )
+    config = KimiHybridConfig(
+        text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    )
     return KimiHybridForConditionalGeneration(config)
 
 
@@ -62,22 +84,38 @@ def main(argv=None) -> float:
 
     train = counting_examples(args.train, seed=args.seed, size=args.image_size)
     held_out = counting_examples(args.eval, seed=args.seed + 10_000, size=args.image_size)
-    tokenizer = train_tokenizer([f"{ex['messages'][0]['content'][1]['text']} {ex['answer']}" for ex in train[:500]],
-                                vocab_size=300)
+    tokenizer = train_tokenizer(
+        [f"{ex['messages'][0]['content'][1]['text']} {ex['answer']}" for ex in train[:500]], vocab_size=300
+    )
     processor = KimiHybridProcessor(KimiHybridImageProcessor(), tokenizer)
     model = build(tokenizer, args.hidden, args.vision_hidden, args.image_size)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.2f}M parameters; {args.train} training scenes, {args.eval} held-out")
 
     history = LossHistory()
-    targs = TrainingArguments(output_dir=os.path.join(args.out, "trainer"), per_device_train_batch_size=args.batch,
-                              max_steps=args.steps, learning_rate=args.lr, lr_scheduler_type="cosine", warmup_steps=20,
-                              logging_steps=max(1, min(10, args.steps // 10)),  # a loss curve even for few steps
-                              report_to=[], remove_unused_columns=False, save_strategy="no",
-                              use_cpu=not torch.cuda.is_available(), dataloader_drop_last=True, seed=args.seed)
-    trainer = Trainer(model=model, args=targs, train_dataset=train, data_collator=KimiHybridVisionCollator(processor),
-                      optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=args.lr, weight_decay=0.01, qk_clip_tau=100.0)),
-                      callbacks=[history, MuonClipCallback()])
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.out, "trainer"),
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        learning_rate=args.lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=20,
+        logging_steps=max(1, min(10, args.steps // 10)),  # a loss curve even for few steps
+        report_to=[],
+        remove_unused_columns=False,
+        save_strategy="no",
+        use_cpu=not torch.cuda.is_available(),
+        dataloader_drop_last=True,
+        seed=args.seed,
+    )
+    trainer = Trainer(
+        model=model,
+        args=targs,
+        train_dataset=train,
+        data_collator=KimiHybridVisionCollator(processor),
+        optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=args.lr, weight_decay=0.01, qk_clip_tau=100.0)),
+        callbacks=[history, MuonClipCallback()],
+    )
     trainer.train()
 
     acc, per_count = counting_accuracy(model, processor, held_out)
@@ -85,11 +123,17 @@ def main(argv=None) -> float:
     print("\n| circles | held-out accuracy |\n|---|---|")
     for k, v in per_count.items():
         print(f"| {k} | {v:.2f} |")
-    print(f"\nheld-out accuracy {acc:.3f} (seed {args.seed}; chance {chance:.2f}) on {len(held_out)} scenes never "
-          "seen in training")
+    print(
+        f"\nheld-out accuracy {acc:.3f} (seed {args.seed}; chance {chance:.2f}) on {len(held_out)} scenes never "
+        "seen in training"
+    )
     # the package's own PNG writer (Pillow only): matplotlib is an optional extra
-    path = save_loss_plot(os.path.join(args.out, "multimodal.png"), history.steps, history.losses,
-                          title=f"training loss (answer tokens); held-out accuracy {acc:.3f}, seed {args.seed}")
+    path = save_loss_plot(
+        os.path.join(args.out, "multimodal.png"),
+        history.steps,
+        history.losses,
+        title=f"training loss (answer tokens); held-out accuracy {acc:.3f}, seed {args.seed}",
+    )
     print(f"loss plot: {path}")
     model.save_pretrained(os.path.join(args.out, "model"))
     processor.save_pretrained(os.path.join(args.out, "model"))

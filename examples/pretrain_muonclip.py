@@ -27,10 +27,24 @@ from kimi_hf.optim import MuonClip
 
 def small_config(hidden: int = 64, layers: int = 4) -> KimiHybridTextConfig:
     return KimiHybridTextConfig(
-        vocab_size=259, hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden,
-        num_hidden_layers=layers, num_attention_heads=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
-        v_head_dim=16, num_experts=4, num_experts_per_tok=2, n_shared_experts=1, linear_num_heads=2,
-        linear_head_dim=hidden // 2, pad_token_id=PAD_ID, bos_token_id=BOS_ID, eos_token_id=EOS_ID,
+        vocab_size=259,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        linear_num_heads=2,
+        linear_head_dim=hidden // 2,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
     )
 
 
@@ -52,7 +66,9 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     model = KimiHybridForCausalLM(small_config(args.hidden))
     opt = MuonClip.from_model(model, lr=args.lr, weight_decay=0.1, qk_clip_tau=args.qk_clip_tau)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / args.steps))
+    )
     # the scheduler is not prepared: accelerate would step it once per process, but here every
     # process takes its share of one global batch
     model, opt = accelerator.prepare(model, opt)
@@ -72,8 +88,11 @@ def main(argv=None):
         inner = opt.optimizer if hasattr(opt, "optimizer") else opt
         if accelerator.is_main_process and (step % 20 == 0 or step == args.steps - 1):
             qk = inner.qk_clip
-            print(f"step {step:4d} loss {mean_loss:.4f} max_logit {qk.last_max_logit or float('nan'):.2f} "
-                  f"clipped {qk.total_clipped_heads}", flush=True)
+            print(
+                f"step {step:4d} loss {mean_loss:.4f} max_logit {qk.last_max_logit or float('nan'):.2f} "
+                f"clipped {qk.total_clipped_heads}",
+                flush=True,
+            )
     print(f"rank {rank}: orthogonalised {inner.ns_matrices} matrices per step", flush=True)
     if args.out and accelerator.is_main_process:
         os.makedirs(args.out, exist_ok=True)

@@ -28,12 +28,48 @@ import re
 import sys
 import warnings
 
-from kimi_hf.swarm import (OpenAIBackend, ScriptedBackend, Swarm, TransformersBackend, format_tool_calls,
-                           run_single_agent)
+from kimi_hf.swarm import (
+    OpenAIBackend,
+    ScriptedBackend,
+    Swarm,
+    TransformersBackend,
+    format_tool_calls,
+    run_single_agent,
+)
 
-MODULES = ["abc", "argparse", "ast", "base64", "bisect", "calendar", "colorsys", "contextlib", "copy", "csv",
-           "difflib", "fnmatch", "fractions", "glob", "gzip", "heapq", "hmac", "json", "pickle", "pprint",
-           "queue", "random", "shlex", "string", "tarfile", "textwrap", "timeit", "uuid", "zipfile", "statistics"]
+
+MODULES = [
+    "abc",
+    "argparse",
+    "ast",
+    "base64",
+    "bisect",
+    "calendar",
+    "colorsys",
+    "contextlib",
+    "copy",
+    "csv",
+    "difflib",
+    "fnmatch",
+    "fractions",
+    "glob",
+    "gzip",
+    "heapq",
+    "hmac",
+    "json",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "shlex",
+    "string",
+    "tarfile",
+    "textwrap",
+    "timeit",
+    "uuid",
+    "zipfile",
+    "statistics",
+]
 
 
 def load_docs(names) -> dict[str, str]:
@@ -77,8 +113,10 @@ def make_tools(docs):
 
 
 def task_text(names) -> str:
-    return ("Give the first sentence of the documentation of each of these modules, one per line as "
-            "'module: sentence': " + ", ".join(names))
+    return (
+        "Give the first sentence of the documentation of each of these modules, one per line as "
+        "'module: sentence': " + ", ".join(names)
+    )
 
 
 def listed_modules(text: str) -> list[str]:
@@ -104,11 +142,14 @@ def orchestrator_policy(per_agent: int):
     def policy(messages, tools):
         wanted = listed_modules(messages[1]["content"])
         if not any(m["role"] == "tool" for m in messages):
-            chunks = [wanted[i:i + per_agent] for i in range(0, len(wanted), per_agent)]
+            chunks = [wanted[i : i + per_agent] for i in range(0, len(wanted), per_agent)]
             calls = [("create_subagent", {"name": f"reader{i}"}) for i in range(len(chunks))]
             calls += [("assign_task", {"agent": f"reader{i}", "task": task_text(c)}) for i, c in enumerate(chunks)]
             return format_tool_calls(calls)
-        return "\n".join(m["content"] for m in messages if m["role"] == "tool" and not m["content"].startswith("Created"))
+        return "\n".join(
+            m["content"] for m in messages if m["role"] == "tool" and not m["content"].startswith("Created")
+        )
+
     return policy
 
 
@@ -119,15 +160,18 @@ def quality(answer: str | None, docs, names) -> float:
 
 def backends(args):
     if args.backend == "scripted":
-        return (ScriptedBackend(reader_policy, latency=args.step_latency),
-                ScriptedBackend(orchestrator_policy(args.per_agent), latency=args.step_latency),
-                ScriptedBackend(reader_policy, latency=args.step_latency))
+        return (
+            ScriptedBackend(reader_policy, latency=args.step_latency),
+            ScriptedBackend(orchestrator_policy(args.per_agent), latency=args.step_latency),
+            ScriptedBackend(reader_policy, latency=args.step_latency),
+        )
     if args.backend == "openai":
         b = OpenAIBackend(args.base_url, args.model, max_tokens=args.max_new_tokens, max_connections=args.concurrency)
         return b, b, b
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import kimi_hf  # noqa: F401  (Auto classes)
+
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model).eval()
     b = TransformersBackend(model, tok, max_new_tokens=args.max_new_tokens, max_batch_size=args.concurrency)
@@ -138,7 +182,9 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modules", type=int, default=24, help=f"documents to cover (<= {len(MODULES)})")
     p.add_argument("--per-agent", type=int, default=4, help="scripted orchestrator: modules per sub-agent")
-    p.add_argument("--max-steps", type=int, default=32, help="step budget of every agent (serial agent and sub-agents)")
+    p.add_argument(
+        "--max-steps", type=int, default=32, help="step budget of every agent (serial agent and sub-agents)"
+    )
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--step-latency", type=float, default=0.2, help="scripted: seconds per model call")
     p.add_argument("--backend", choices=["scripted", "openai", "transformers"], default="scripted")
@@ -153,38 +199,58 @@ def main(argv=None) -> dict:
         p.error("--model is required with --backend openai / transformers")
     os.makedirs(args.out, exist_ok=True)
     docs = load_docs(MODULES)
-    names = [n for n in MODULES if n in docs][:args.modules]
+    names = [n for n in MODULES if n in docs][: args.modules]
     tools = make_tools(docs)
     single, orchestrator, sub = backends(args)
 
-    serial = run_single_agent(single, task_text(names), tools=tools, max_steps=args.max_steps,
-                              trace_path=os.path.join(args.out, "serial.jsonl"))
+    serial = run_single_agent(
+        single,
+        task_text(names),
+        tools=tools,
+        max_steps=args.max_steps,
+        trace_path=os.path.join(args.out, "serial.jsonl"),
+    )
     n_agents = math.ceil(len(names) / args.per_agent)
-    swarm = Swarm(orchestrator, sub, tools=tools, max_subagents=max(n_agents, 16), max_concurrency=args.concurrency,
-                  max_subagent_steps=args.max_steps, max_orchestrator_steps=args.max_steps)
+    swarm = Swarm(
+        orchestrator,
+        sub,
+        tools=tools,
+        max_subagents=max(n_agents, 16),
+        max_concurrency=args.concurrency,
+        max_subagent_steps=args.max_steps,
+        max_orchestrator_steps=args.max_steps,
+    )
     parallel = swarm.run(task_text(names), trace_path=os.path.join(args.out, "swarm.jsonl"))
 
-    print(f"\n# wide search over {len(names)} stdlib module docs, {args.backend} agents, "
-          f"step budget {args.max_steps} per agent, {args.step_latency if args.backend == 'scripted' else '-'} s per scripted call\n")
+    print(
+        f"\n# wide search over {len(names)} stdlib module docs, {args.backend} agents, "
+        f"step budget {args.max_steps} per agent, {args.step_latency if args.backend == 'scripted' else '-'} s per scripted call\n"
+    )
     print("| mode | status | critical steps | total steps | sub-agents | parallelism | wall s | quality |")
     print("|---|---|---|---|---|---|---|---|")
     rows = {}
     for label, r in (("single agent", serial), ("swarm", parallel)):
         m = r.metrics
         rows[label] = {**m, "quality": quality(r.answer, docs, names)}
-        print(f"| {label} | {r.status} | {m['critical_steps']} | {m['total_steps']} | {m['num_subagents']} | "
-              f"{m['parallelism']:.2f} | {m['wall_time']:.2f} | {rows[label]['quality']:.2f} |")
+        print(
+            f"| {label} | {r.status} | {m['critical_steps']} | {m['total_steps']} | {m['num_subagents']} | "
+            f"{m['parallelism']:.2f} | {m['wall_time']:.2f} | {rows[label]['quality']:.2f} |"
+        )
     s, w = rows["single agent"], rows["swarm"]
     for label, r in (("single agent", serial), ("swarm", parallel)):
         if r.error:
             print(f"{label}: {r.error}")
     qualities = f"quality {s['quality']:.2f} (single agent) vs {w['quality']:.2f} (swarm)"
     if serial.status == parallel.status == "finished":
-        print(f"\ncritical steps: {s['critical_steps'] / max(w['critical_steps'], 1):.1f}x fewer with the swarm; "
-              f"wall time {s['wall_time'] / max(w['wall_time'], 1e-9):.1f}x; {qualities}; traces in {args.out}/")
+        print(
+            f"\ncritical steps: {s['critical_steps'] / max(w['critical_steps'], 1):.1f}x fewer with the swarm; "
+            f"wall time {s['wall_time'] / max(w['wall_time'], 1e-9):.1f}x; {qualities}; traces in {args.out}/"
+        )
     else:  # a failed or cut-short run is fast for the wrong reason: its ratio is no speed-up
-        print(f"\nno speed-up reported: both runs must finish (single agent: {serial.status}, swarm: "
-              f"{parallel.status}); {qualities}; traces in {args.out}/")
+        print(
+            f"\nno speed-up reported: both runs must finish (single agent: {serial.status}, swarm: "
+            f"{parallel.status}); {qualities}; traces in {args.out}/"
+        )
     return rows
 
 

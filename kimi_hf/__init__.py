@@ -18,6 +18,7 @@ __version__ = "0.1.0"
 import os as _os
 import sys as _sys
 
+
 __all__ = [
     "ops",
     "LORA_TARGET_MODULES",
@@ -36,48 +37,41 @@ __all__ = [
     "__version__",
 ]
 
+
 def _register() -> None:
-    """Imports the models into this module and registers them with transformers' Auto classes."""
-    from transformers import (
-        AutoConfig,
-        AutoImageProcessor,
-        AutoModel,
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoProcessor,
-    )
+    """Imports the models into this module and registers them with transformers' Auto classes, from the one
+    table (`hub_kimi_hybrid.AUTO_MAPS`) that saved folders' auto_map entries also come from."""
+    import importlib
+
+    import transformers
 
     from . import ops
+    from .models.kimi_hybrid import hub_kimi_hybrid
     from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
-    from .models.kimi_hybrid.configuration_kimi_hybrid import (
-        KimiHybridConfig,
-        KimiHybridTextConfig,
-        KimiHybridVisionConfig,
-    )
-    from .models.kimi_hybrid.image_processing_kimi_hybrid import KimiHybridImageProcessor
-    from .models.kimi_hybrid.modeling_kimi_hybrid import (
-        LORA_TARGET_MODULES,
-        KimiHybridForCausalLM,
-        KimiHybridPreTrainedModel,
-        KimiHybridTextModel,
-    )
-    from .models.kimi_hybrid.modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel
-    from .models.kimi_hybrid.modeling_kimi_hybrid_vision import KimiHybridVisionModel
-    from .models.kimi_hybrid.processing_kimi_hybrid import KimiHybridProcessor
+    from .models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES, KimiHybridPreTrainedModel
 
-    for config in (KimiHybridTextConfig, KimiHybridVisionConfig, KimiHybridConfig):
-        AutoConfig.register(config.model_type, config, exist_ok=True)
-    AutoModel.register(KimiHybridTextConfig, KimiHybridTextModel, exist_ok=True)
-    AutoModelForCausalLM.register(KimiHybridTextConfig, KimiHybridForCausalLM, exist_ok=True)
-    AutoModel.register(KimiHybridVisionConfig, KimiHybridVisionModel, exist_ok=True)
-    AutoModel.register(KimiHybridConfig, KimiHybridModel, exist_ok=True)
-    AutoModelForImageTextToText.register(KimiHybridConfig, KimiHybridForConditionalGeneration, exist_ok=True)
-    AutoModelForCausalLM.register(KimiHybridConfig, KimiHybridForConditionalGeneration, exist_ok=True)
-    AutoImageProcessor.register(KimiHybridConfig, image_processor_classes={"pil": KimiHybridImageProcessor},
-                                exist_ok=True)
-    AutoProcessor.register(KimiHybridConfig, KimiHybridProcessor, exist_ok=True)
-    names = locals()
-    globals().update({name: names[name] for name in __all__ if name in names})
+    package = hub_kimi_hybrid.__name__.rpartition(".")[0]
+    found = {
+        "ops": ops,
+        "KimiHybridCache": KimiHybridCache,
+        "LORA_TARGET_MODULES": LORA_TARGET_MODULES,
+        "KimiHybridPreTrainedModel": KimiHybridPreTrainedModel,
+    }
+    for entries in hub_kimi_hybrid.AUTO_MAPS.values():
+        classes = {}
+        for auto, ref in entries.items():
+            module, _, name = ref.partition(".")
+            classes[auto] = found[name] = getattr(importlib.import_module(f"{package}.{module}"), name)
+        config = classes.pop("AutoConfig")
+        transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
+        for auto, cls in classes.items():
+            if auto == "AutoImageProcessor":
+                transformers.AutoImageProcessor.register(config, image_processor_classes={"pil": cls}, exist_ok=True)
+            else:
+                getattr(transformers, auto).register(config, cls, exist_ok=True)
+            if auto in hub_kimi_hybrid.PROCESSOR_AUTO_CLASSES:
+                cls.register_for_auto_class(auto)  # saved processors carry auto_map and their code file
+    globals().update({name: found[name] for name in __all__ if name in found})
 
 
 def _started_as_the_cli() -> bool:

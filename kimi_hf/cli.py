@@ -18,6 +18,7 @@ import sys
 
 from . import __version__
 
+
 PROG = "kimi-hf"
 COMMAND_HELP = {
     "quickstart": "build, train, save, reload and try a small early-fusion hybrid model (offline, CPU)",
@@ -54,15 +55,19 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Option defaults in the help."""
 
 
-def _choose(prog: str, what: str, choices: dict[str, str], argv: list[str], description: str = "",
-            version: str | None = None) -> str:
+def _choose(
+    prog: str, what: str, choices: dict[str, str], argv: list[str], description: str = "", version: str | None = None
+) -> str:
     """The NAME of `prog NAME ARGS...`: `--help` lists the choices (exit 0); a missing or unknown NAME,
     or an option before it, is a usage error (exit 2)."""
     listing = "\n".join(f"  {name:<15} {text}" for name, text in choices.items())
-    p = ArgumentParser(prog=prog, usage=f"{prog} [-h]{' [--version]' if version else ''} {what} [ARGS...]",
-                       description=f"{description.strip()}\n\n{what}:\n{listing}".strip(),
-                       epilog=f"'{prog} {what} --help' shows the options of {what}.",
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = ArgumentParser(
+        prog=prog,
+        usage=f"{prog} [-h]{' [--version]' if version else ''} {what} [ARGS...]",
+        description=f"{description.strip()}\n\n{what}:\n{listing}".strip(),
+        epilog=f"'{prog} {what} --help' shows the options of {what}.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     if version:
         p.add_argument("--version", action="version", version=version)
     p.add_argument("name", metavar=what, choices=choices, help=f"one of: {', '.join(choices)}")
@@ -74,13 +79,19 @@ def _choose(prog: str, what: str, choices: dict[str, str], argv: list[str], desc
 def quickstart_parser() -> ArgumentParser:
     from .quickstart import SIZES  # no torch import: --help stays fast
 
-    p = ArgumentParser(prog=f"{PROG} quickstart", formatter_class=_HelpFormatter,
-                       description="Build, train (MuonClip + Trainer), save, reload and try a small early-fusion "
-                       "hybrid model, offline, in a few minutes on CPU. Writes OUT/model, OUT/trainer, OUT/loss.png, "
-                       "OUT/question.png and OUT/summary.json (all checked before any work).")
-    p.add_argument("--size", choices=sorted(SIZES), default="small",
-                   help="model size: " + "; ".join(f"{k}: hidden {v['hidden']}, {v['layers']} layers"
-                                                   for k, v in SIZES.items()))
+    p = ArgumentParser(
+        prog=f"{PROG} quickstart",
+        formatter_class=_HelpFormatter,
+        description="Build, train (MuonClip + Trainer), save, reload and try a small early-fusion "
+        "hybrid model, offline, in a few minutes on CPU. Writes OUT/model, OUT/trainer, OUT/loss.png, "
+        "OUT/question.png and OUT/summary.json (all checked before any work).",
+    )
+    p.add_argument(
+        "--size",
+        choices=sorted(SIZES),
+        default="small",
+        help="model size: " + "; ".join(f"{k}: hidden {v['hidden']}, {v['layers']} layers" for k, v in SIZES.items()),
+    )
     p.add_argument("--steps", type=int, default=300, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="examples per training step")
     p.add_argument("--lr", type=float, default=5e-3, help="MuonClip learning rate (cosine schedule)")
@@ -99,13 +110,29 @@ def _quickstart(argv):
     from .quickstart import run_quickstart
 
     # run_quickstart checks its arguments and every output path before it does any work
-    return run_quickstart(a.out, a.size, a.steps, a.batch_size, a.lr, a.device, a.seed, a.text_examples,
-                          a.image_examples, a.eval_images, progress=not a.no_progress)
+    return run_quickstart(
+        a.out,
+        a.size,
+        a.steps,
+        a.batch_size,
+        a.lr,
+        a.device,
+        a.seed,
+        a.text_examples,
+        a.image_examples,
+        a.eval_images,
+        progress=not a.no_progress,
+    )
 
 
 def _convert(argv):
-    name = _choose(f"{PROG} convert", "CONVERTER", CONVERTERS, argv,
-                   description="Convert checkpoints (streaming, sharded, atomic: a failed run leaves no output).")
+    name = _choose(
+        f"{PROG} convert",
+        "CONVERTER",
+        CONVERTERS,
+        argv,
+        description="Convert checkpoints (streaming, sharded, atomic: a failed run leaves no output).",
+    )
     from .conversion.cli import k25_vision_main, kimi_linear_main
 
     main = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main}[name]
@@ -120,12 +147,18 @@ def _serve(argv):
 
 
 def _bench(argv):
-    name = _choose(f"{PROG} bench", "NAME", BENCHMARKS, argv,
-                   description="Run benchmarks/NAME.py of a source checkout, as `python benchmarks/NAME.py ARGS...`.")
+    name = _choose(
+        f"{PROG} bench",
+        "NAME",
+        BENCHMARKS,
+        argv,
+        description="Run benchmarks/NAME.py of a source checkout, as `python benchmarks/NAME.py ARGS...`.",
+    )
     script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
     if not os.path.exists(script):
-        raise FileNotFoundError(f"kimi-hf bench runs the benchmarks/ scripts of a source checkout; {script} does not "
-                                "exist")
+        raise FileNotFoundError(
+            f"kimi-hf bench runs the benchmarks/ scripts of a source checkout; {script} does not exist"
+        )
     # KIMI_HF_PROG: the script's argparse names `kimi-hf bench NAME` in its usage (benchmarks/common.py)
     env = {**os.environ, "KIMI_HF_PROG": f"{PROG} bench {name}"}
     code = subprocess.call([sys.executable, script, *argv[1:]], env=env)  # exactly as `python benchmarks/NAME.py ...`

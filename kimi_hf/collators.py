@@ -6,6 +6,7 @@ import torch
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import ASSISTANT, MIDDLE, TURN_END
 
+
 IGNORE_INDEX = -100
 
 

@@ -12,6 +12,7 @@ import sysconfig
 
 import torch
 
+
 BYTE_VOCAB = 256
 PAD_ID, BOS_ID, EOS_ID = 256, 257, 258  # byte-level models use a vocabulary of 259
 
@@ -21,7 +22,9 @@ def stdlib_source_files() -> list[str]:
     root = sysconfig.get_paths()["stdlib"]
     files = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in ("site-packages", "test", "tests", "idle_test", "__pycache__"))
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in ("site-packages", "test", "tests", "idle_test", "__pycache__")
+        )
         files += [os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py")]
     return files
 
@@ -50,8 +53,17 @@ class ByteCorpus:
         n_val = max(1, int(len(tokens) * val_fraction))
         self.train, self.val = tokens[:-n_val], tokens[-n_val:]
 
-    def batch(self, step: int, batch_size: int, seq_len: int, *, split: str = "train", seed: int = 0,
-              rank: int = 0, world: int = 1) -> torch.Tensor:
+    def batch(
+        self,
+        step: int,
+        batch_size: int,
+        seq_len: int,
+        *,
+        split: str = "train",
+        seed: int = 0,
+        rank: int = 0,
+        world: int = 1,
+    ) -> torch.Tensor:
         """[batch_size // world, seq_len] windows of the global batch number `step`; rank r takes
         rows r, r + world, ... (global batch_size must be divisible by world)."""
         if batch_size % world:

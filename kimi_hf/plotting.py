@@ -26,8 +26,9 @@ class LossHistory(TrainerCallback):
             self.losses.append(float(logs["loss"]))
 
 
-def save_loss_plot(path: str, steps: list[int], losses: list[float], title: str = "training loss",
-                   size: tuple[int, int] = (640, 400)) -> str:
+def save_loss_plot(
+    path: str, steps: list[int], losses: list[float], title: str = "training loss", size: tuple[int, int] = (640, 400)
+) -> str:
     """A line plot of losses over steps as PNG (written atomically, mode 0o666 & ~umask). Returns path."""
     if len(steps) != len(losses):
         raise ValueError(f"steps and losses differ in length: {len(steps)} vs {len(losses)}")
@@ -43,8 +44,10 @@ def save_loss_plot(path: str, steps: list[int], losses: list[float], title: str 
     s1 = s1 if s1 > s0 else s0 + 1
 
     def xy(step, loss):
-        return (left + (step - s0) / (s1 - s0) * (w - left - right),
-                top + (hi - loss) / (hi - lo) * (h - top - bottom))
+        return (
+            left + (step - s0) / (s1 - s0) * (w - left - right),
+            top + (hi - loss) / (hi - lo) * (h - top - bottom),
+        )
 
     draw.rectangle([left, top, w - right, h - bottom], outline="black")
     for i in range(5):  # y ticks

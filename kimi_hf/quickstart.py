@@ -17,6 +17,7 @@ import random
 import time
 from dataclasses import dataclass
 
+
 SIZES = {  # hidden, layers (3 KDA : 1 MLA), experts, vision hidden, vocabulary
     "tiny": dict(hidden=64, layers=4, experts=4, vision_hidden=32, vocab=512),
     "small": dict(hidden=128, layers=4, experts=4, vision_hidden=64, vocab=1024),
@@ -25,8 +26,12 @@ SIZES = {  # hidden, layers (3 KDA : 1 MLA), experts, vision hidden, vocabulary
 TEXT_PROMPT = "Write some Python."
 # what run_quickstart writes under `out`: directories, then files (summary.json goes through a temporary file)
 OUTPUT_DIRS = {"model": "the trained model and processor", "trainer": "the Trainer's output_dir"}
-OUTPUT_FILES = {"loss.png": "the loss plot", "question.png": "the question image", "summary.json": "the summary",
-                "summary.json.tmp": "the summary's temporary file"}
+OUTPUT_FILES = {
+    "loss.png": "the loss plot",
+    "question.png": "the question image",
+    "summary.json": "the summary",
+    "summary.json.tmp": "the summary's temporary file",
+}
 
 
 @dataclass
@@ -53,8 +58,12 @@ def text_examples(n: int, seed: int, chars: int = 240) -> list[dict]:
         start = text.find("\n", rng.randrange(0, len(text) - chars)) + 1
         chunk = text[start : start + chars].strip()
         if chunk:
-            out.append({"messages": [{"role": "user", "content": TEXT_PROMPT}, {"role": "assistant", "content": chunk}],
-                        "images": []})
+            out.append(
+                {
+                    "messages": [{"role": "user", "content": TEXT_PROMPT}, {"role": "assistant", "content": chunk}],
+                    "images": [],
+                }
+            )
     return out
 
 
@@ -68,16 +77,39 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     s, side = SIZES[size], image_size // 14 + 1
     h = s["hidden"]
-    text = dict(vocab_size=len(tokenizer), hidden_size=h, intermediate_size=2 * h, moe_intermediate_size=h // 2,
-                num_hidden_layers=s["layers"], first_k_dense_replace=1, num_attention_heads=2, kv_lora_rank=h // 4,
-                qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, num_experts=s["experts"], num_experts_per_tok=2,
-                n_shared_experts=1, linear_num_heads=2, linear_head_dim=h // 2, pad_token_id=tokenizer.pad_token_id,
-                bos_token_id=tokenizer.bos_token_id, eos_token_id=chat_stop_token_ids(tokenizer),
-                attn_residual=attn_residual)  # replies stop at the turn end
-    vision = dict(hidden_size=s["vision_hidden"], num_hidden_layers=2, num_attention_heads=2,
-                  intermediate_size=2 * s["vision_hidden"], pos_emb_height=side, pos_emb_width=side)
-    config = KimiHybridConfig(text_config=text, vision_config=vision,
-                              image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN))
+    text = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=h,
+        intermediate_size=2 * h,
+        moe_intermediate_size=h // 2,
+        num_hidden_layers=s["layers"],
+        first_k_dense_replace=1,
+        num_attention_heads=2,
+        kv_lora_rank=h // 4,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_experts=s["experts"],
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        linear_num_heads=2,
+        linear_head_dim=h // 2,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=chat_stop_token_ids(tokenizer),
+        attn_residual=attn_residual,
+    )  # replies stop at the turn end
+    vision = dict(
+        hidden_size=s["vision_hidden"],
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * s["vision_hidden"],
+        pos_emb_height=side,
+        pos_emb_width=side,
+    )
+    config = KimiHybridConfig(
+        text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    )
     return KimiHybridForConditionalGeneration(config)
 
 
@@ -127,19 +159,36 @@ def _device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: int = 300, batch_size: int = 16,
-                   lr: float = 5e-3, device: str = "auto", seed: int = 0, text_examples_n: int = 2000,
-                   image_examples_n: int = 2000, eval_images: int = 64, image_size: int = 84,
-                   progress: bool = True) -> QuickstartResult:
+def run_quickstart(
+    out: str = "outputs/quickstart",
+    size: str = "small",
+    steps: int = 300,
+    batch_size: int = 16,
+    lr: float = 5e-3,
+    device: str = "auto",
+    seed: int = 0,
+    text_examples_n: int = 2000,
+    image_examples_n: int = 2000,
+    eval_images: int = 64,
+    image_size: int = 84,
+    progress: bool = True,
+) -> QuickstartResult:
     """Runs the six steps (module docstring), writing OUTPUT_DIRS and OUTPUT_FILES under `out`. The arguments
     and the output paths are checked first: a bad one raises before any work is done."""
-    for name, v in (("steps", steps), ("batch_size", batch_size), ("text_examples_n", text_examples_n),
-                    ("image_examples_n", image_examples_n), ("eval_images", eval_images)):
+    for name, v in (
+        ("steps", steps),
+        ("batch_size", batch_size),
+        ("text_examples_n", text_examples_n),
+        ("image_examples_n", image_examples_n),
+        ("eval_images", eval_images),
+    ):
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
             raise ValueError(f"{name} must be a positive integer, got {v!r}")
     if text_examples_n + image_examples_n < batch_size:
-        raise ValueError(f"text_examples_n + image_examples_n ({text_examples_n + image_examples_n}) must be at least "
-                         f"batch_size ({batch_size}): the last partial batch is dropped, so no step would run")
+        raise ValueError(
+            f"text_examples_n + image_examples_n ({text_examples_n + image_examples_n}) must be at least "
+            f"batch_size ({batch_size}): the last partial batch is dropped, so no step would run"
+        )
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     check_outputs(out)  # before the minutes of work, not after them
@@ -176,22 +225,48 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     model = small_multimodal_model(tokenizer, size, image_size)
     n_params = sum(p.numel() for p in model.parameters())
     tc = model.config.text_config
-    print(f"[3/6] model: {n_params / 1e6:.2f}M parameters; decoder {tc.layer_types} "
-          f"({tc.num_experts} experts, top-{tc.num_experts_per_tok}), vision tower {model.config.vision_config.num_hidden_layers} layers")
+    print(
+        f"[3/6] model: {n_params / 1e6:.2f}M parameters; decoder {tc.layer_types} "
+        f"({tc.num_experts} experts, top-{tc.num_experts_per_tok}), vision tower {model.config.vision_config.num_hidden_layers} layers"
+    )
 
     print(f"[4/6] training: {steps} steps x {batch_size} examples, MuonClip lr {lr}, Trainer on {device}")
     history = LossHistory()
-    args = TrainingArguments(output_dir=os.path.join(out, "trainer"), per_device_train_batch_size=batch_size,
-                             max_steps=steps, learning_rate=lr, lr_scheduler_type="cosine", warmup_steps=min(20, steps // 10),
-                             logging_steps=max(1, min(10, steps // 20)), report_to=[], remove_unused_columns=False,
-                             save_strategy="no", use_cpu=device == "cpu", dataloader_drop_last=True, seed=seed,
-                             disable_tqdm=not progress)
-    trainer = Trainer(model=model, args=args, train_dataset=train, data_collator=KimiHybridVisionCollator(processor),
-                      optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=lr, weight_decay=0.01, qk_clip_tau=100.0)),
-                      callbacks=[history, MuonClipCallback()])
+    args = TrainingArguments(
+        output_dir=os.path.join(out, "trainer"),
+        per_device_train_batch_size=batch_size,
+        max_steps=steps,
+        learning_rate=lr,
+        lr_scheduler_type="cosine",
+        warmup_steps=min(20, steps // 10),
+        logging_steps=max(1, min(10, steps // 20)),
+        report_to=[],
+        remove_unused_columns=False,
+        save_strategy="no",
+        use_cpu=device == "cpu",
+        dataloader_drop_last=True,
+        seed=seed,
+        disable_tqdm=not progress,
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=train,
+        data_collator=KimiHybridVisionCollator(processor),
+        optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=lr, weight_decay=0.01, qk_clip_tau=100.0)),
+        callbacks=[history, MuonClipCallback()],
+    )
     trainer.train()
-    loss_plot = save_loss_plot(os.path.join(out, "loss.png"), history.steps, history.losses,
-                               title=f"quickstart training loss ({size}, {steps} steps)") if history.losses else None
+    loss_plot = (
+        save_loss_plot(
+            os.path.join(out, "loss.png"),
+            history.steps,
+            history.losses,
+            title=f"quickstart training loss ({size}, {steps} steps)",
+        )
+        if history.losses
+        else None
+    )
 
     model_dir = os.path.join(out, "model")
     print(f"[5/6] save_pretrained -> {model_dir}; reload with AutoModelForImageTextToText / AutoProcessor")
@@ -200,16 +275,20 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     reloaded = AutoModelForImageTextToText.from_pretrained(model_dir).to(device).eval()
     processor = AutoProcessor.from_pretrained(model_dir)
     model.eval()
-    probe = processor(images=held_out[0]["images"], text=[processor.apply_chat_template(held_out[0]["messages"], tokenize=False)],
-                      return_tensors="pt").to(device)
+    probe = processor(
+        images=held_out[0]["images"],
+        text=[processor.apply_chat_template(held_out[0]["messages"], tokenize=False)],
+        return_tensors="pt",
+    ).to(device)
     with torch.no_grad():
         max_diff = (model(**probe).logits - reloaded(**probe).logits).abs().max().item()
     if max_diff > 1e-4:
         raise RuntimeError(f"the reloaded model's logits differ from the trained one's by {max_diff:.2e}")
 
     print("[6/6] generation with the reloaded model")
-    text = generate_replies(reloaded, processor, [[{"role": "user", "content": TEXT_PROMPT}]], max_new_tokens=48,
-                            repetition_penalty=1.2)[0]
+    text = generate_replies(
+        reloaded, processor, [[{"role": "user", "content": TEXT_PROMPT}]], max_new_tokens=48, repetition_penalty=1.2
+    )[0]
     image = render_scene(random.Random(seed + 20_000), image_size, circles=3, squares=1)
     image_path = os.path.join(out, "question.png")
     image.save(image_path)
@@ -217,11 +296,21 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     accuracy, per_count = counting_accuracy(reloaded, processor, held_out)
 
     summary = {
-        "size": size, "parameters": n_params, "steps": steps, "device": device,
-        "first_loss": history.losses[0] if history.losses else None, "last_loss": history.losses[-1] if history.losses else None,
-        "reload_max_logit_diff": max_diff, "generated_text": text, "image_question": QUESTION,
-        "image_true_count": 3, "image_answer": answer, "held_out_counting_accuracy": accuracy,
-        "held_out_per_count": per_count, "chance": 1 / len(per_count), "seconds": round(time.time() - t0, 1),
+        "size": size,
+        "parameters": n_params,
+        "steps": steps,
+        "device": device,
+        "first_loss": history.losses[0] if history.losses else None,
+        "last_loss": history.losses[-1] if history.losses else None,
+        "reload_max_logit_diff": max_diff,
+        "generated_text": text,
+        "image_question": QUESTION,
+        "image_true_count": 3,
+        "image_answer": answer,
+        "held_out_counting_accuracy": accuracy,
+        "held_out_per_count": per_count,
+        "chance": 1 / len(per_count),
+        "seconds": round(time.time() - t0, 1),
     }
     summary_path = os.path.join(out, "summary.json")
     with open(summary_path + ".tmp", "w") as f:
@@ -232,10 +321,14 @@ def run_quickstart(out: str = "outputs/quickstart", size: str = "small", steps: 
     print(f"loss {summary['first_loss']:.3f} -> {summary['last_loss']:.3f}" if history.losses else "no loss logged")
     print(f"generated for {TEXT_PROMPT!r}:\n    {text[:300]!r}")
     print(f"{QUESTION} ({image_path}, 3 circles + 1 square): model answers {answer!r}")
-    print(f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f}; "
-          "counting needs ~1500 image-only steps: examples/multimodal_finetune.py reaches 0.83-0.90 over seeds)")
+    print(
+        f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f}; "
+        "counting needs ~1500 image-only steps: examples/multimodal_finetune.py reaches 0.83-0.90 over seeds)"
+    )
     print(f"model + processor: {model_dir}\nloss plot:         {loss_plot}\nsummary:           {summary_path}")
-    print(f"load it:  AutoModelForImageTextToText.from_pretrained({model_dir!r}) (trust_remote_code=True without kimi_hf)")
+    print(
+        f"load it:  AutoModelForImageTextToText.from_pretrained({model_dir!r}) (trust_remote_code=True without kimi_hf)"
+    )
     return QuickstartResult(out, model_dir, loss_plot, summary_path, summary)
 
 

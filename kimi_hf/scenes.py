@@ -7,6 +7,7 @@ import random
 
 from PIL import Image, ImageDraw
 
+
 QUESTION = "How many circles are there?"
 
 
@@ -40,8 +41,10 @@ def counting_examples(n: int, seed: int, size: int = 84, max_count: int = 4, max
     for _ in range(n):
         count, squares = rng.randint(1, max_count), rng.randint(0, max_squares)
         image = render_scene(rng, size, count, squares)
-        messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
-                    {"role": "assistant", "content": str(count)}]
+        messages = [
+            {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]},
+            {"role": "assistant", "content": str(count)},
+        ]
         out.append({"messages": messages, "images": [image], "answer": str(count)})
     return out
 

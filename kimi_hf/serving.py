@@ -33,11 +33,17 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
     import transformers.cli.serving.utils as serving_utils
     from transformers import AutoConfig, AutoTokenizer
 
-    from . import KimiHybridForCausalLM, KimiHybridForConditionalGeneration  # importing kimi_hf registers the Auto classes
+    from . import (  # importing kimi_hf registers the Auto classes
+        KimiHybridForCausalLM,
+        KimiHybridForConditionalGeneration,
+    )
 
     for cls in (KimiHybridForCausalLM, KimiHybridForConditionalGeneration):
         setattr(manager.transformers, cls.__name__, cls)
-    modalities = {KimiHybridForCausalLM: manager.Modality.LLM, KimiHybridForConditionalGeneration: manager.Modality.VLM}
+    modalities = {
+        KimiHybridForCausalLM: manager.Modality.LLM,
+        KimiHybridForConditionalGeneration: manager.Modality.VLM,
+    }
     ModelManager = manager.ModelManager
     if not getattr(ModelManager, "_kimi_hf_patched", False):
         modality, load_processor = ModelManager.get_model_modality, ModelManager._load_processor
@@ -53,9 +59,13 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
         def _load_processor(self, model_id_and_revision, gguf_file=None):
             model_id, revision = serving_utils.split_revision(model_id_and_revision)
             if gguf_file is None:
-                config = AutoConfig.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+                config = AutoConfig.from_pretrained(
+                    model_id, revision=revision, trust_remote_code=self.trust_remote_code
+                )
                 if config.model_type == "kimi_hybrid_text":
-                    return AutoTokenizer.from_pretrained(model_id, revision=revision, trust_remote_code=self.trust_remote_code)
+                    return AutoTokenizer.from_pretrained(
+                        model_id, revision=revision, trust_remote_code=self.trust_remote_code
+                    )
             return load_processor(self, model_id_and_revision, gguf_file=gguf_file)
 
         resolve = serving_utils.BaseHandler._resolve_model
@@ -92,20 +102,28 @@ def check_model_dir(model: str) -> None:
     except (OSError, ValueError) as e:
         raise ValueError(f"{config} is not a readable JSON config ({e})") from e
     if model_type not in ("kimi_hybrid", "kimi_hybrid_text"):
-        raise ValueError(f"{config} has model_type {model_type!r}: kimi-hf serve serves this package's models "
-                         "(kimi_hybrid, kimi_hybrid_text); use `transformers serve` for others")
+        raise ValueError(
+            f"{config} has model_type {model_type!r}: kimi-hf serve serves this package's models "
+            "(kimi_hybrid, kimi_hybrid_text); use `transformers serve` for others"
+        )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving") -> None:
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("model", help="a local model directory (save_pretrained output) or a cached Hub repo id")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=int, default=8000, help="port to listen on")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, ...")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, ...")
-    p.add_argument("--served-model-name", action="append", default=[], metavar="NAME",
-                   help="another name that requests may use for the model (besides MODEL itself); repeatable")
+    p.add_argument(
+        "--served-model-name",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="another name that requests may use for the model (besides MODEL itself); repeatable",
+    )
     p.add_argument("--log-level", default="warning", help="the server's log level")
     args = p.parse_args(argv)
     check_model_dir(args.model)
@@ -113,9 +131,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving")
         from transformers.cli.serve import Serve
     except ImportError as e:
         raise SystemExit(f"the server needs transformers' serving extra: pip install 'transformers[serving]' ({e})")
-    expose_models_to_transformers_serve({name: args.model for name in args.served_model_name})
-    Serve(force_model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-          log_level=args.log_level)
+    expose_models_to_transformers_serve(dict.fromkeys(args.served_model_name, args.model))
+    Serve(
+        force_model=args.model,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        log_level=args.log_level,
+    )
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ never imports fla.
 import os
 import sys
 
+
 # Triton kernels run on CPU tensors under the interpreter (set before triton is imported); the
 # dispatcher still sends CPU tensors to the PyTorch path unless backend="triton" is forced.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
 
 sys.modules.setdefault("fla", None)  # `import fla` now raises ImportError
 

@@ -36,8 +36,11 @@ def reply_bias(tok, prompts: list[str], replies: list[str], context: int = 12) -
 def chat_text_model(tok, eos=None):
     torch.manual_seed(0)
     eos = chat_stop_token_ids(tok) if eos is None else eos
-    return KimiHybridForCausalLM(tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                             bos_token_id=tok.bos_token_id, eos_token_id=eos)).eval()
+    return KimiHybridForCausalLM(
+        tiny_config(
+            vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=eos
+        )
+    ).eval()
 
 
 def test_stop_ids_are_eos_and_turn_end():
@@ -78,9 +81,18 @@ def test_batched_image_pipeline_matches_single_runs(tmp_path):
     assert AutoTokenizer.from_pretrained(tmp_path).padding_side == "left"
     pipe = pipeline("image-text-to-text", model=str(tmp_path))
     rng = random.Random(1)
-    chats = [[{"role": "user", "content": [{"type": "image", "image": render_scene(rng, 28, circles=c)},
-                                           {"type": "text", "text": text}]}]
-             for c, text in ((1, "Count."), (3, "How many circles are there in this picture, please?"))]
+    chats = [
+        [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": render_scene(rng, 28, circles=c)},
+                    {"type": "text", "text": text},
+                ],
+            }
+        ]
+        for c, text in ((1, "Count."), (3, "How many circles are there in this picture, please?"))
+    ]
     single = [pipe(text=c, max_new_tokens=4)[0]["generated_text"][-1] for c in chats]
     batched = [o[0]["generated_text"][-1] for o in pipe(text=chats, max_new_tokens=4, batch_size=2)]
     assert batched == single and all(m["role"] == "assistant" for m in single)
@@ -96,19 +108,29 @@ def test_batched_text_pipeline_replies_stop_and_drop_padding(tmp_path):
     prompts = [tok.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in chats]
     bias = reply_bias(tok, prompts, ["yes", "three, it is three"])
     out = pipe(chats, batch_size=2, max_new_tokens=12, sequence_bias=bias)
-    assert [o[0]["generated_text"][-1] for o in out] == [{"role": "assistant", "content": "yes"},
-                                                          {"role": "assistant", "content": "three, it is three"}]
+    assert [o[0]["generated_text"][-1] for o in out] == [
+        {"role": "assistant", "content": "yes"},
+        {"role": "assistant", "content": "three, it is three"},
+    ]
 
 
 def test_parse_response_stops_at_the_turn_end():
     tok = tiny_tokenizer()
     prefix = "[PAD][PAD]<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>"
-    for text in ("three<|im_end|>[PAD][PAD]", "three[EOS][PAD]", "three<|im_end|><|im_assistant|>assistant<|im_middle|>more"):
+    for text in (
+        "three<|im_end|>[PAD][PAD]",
+        "three[EOS][PAD]",
+        "three<|im_end|><|im_assistant|>assistant<|im_middle|>more",
+    ):
         assert tok.parse_response(text, prefix=prefix) == {"role": "assistant", "content": "three"}, text
-    call = ("<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{\"a\": 1}"
-            "<|tool_call_end|><|tool_calls_section_end|><|im_end|>[PAD]")
+    call = (
+        '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+        "<|tool_call_end|><|tool_calls_section_end|><|im_end|>[PAD]"
+    )
     assert tok.parse_response(call, prefix=prefix) == {
-        "role": "assistant", "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}]}
+        "role": "assistant",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
+    }
     assert tok.decode(tok("x")["input_ids"] + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == "x"
 
 
@@ -128,9 +150,13 @@ def test_plain_text_model_keeps_stopping_at_eos_only():
 
 def test_assistant_tokens_mask_covers_replies_and_their_turn_end():
     tok = tiny_tokenizer()
-    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
-            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Bye"},
-            {"role": "assistant", "content": "Ciao"}]
+    chat = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello"},
+        {"role": "user", "content": "Bye"},
+        {"role": "assistant", "content": "Ciao"},
+    ]
     enc = tok.apply_chat_template(chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
     ids, mask = enc["input_ids"], enc["assistant_masks"]
     trained = tok.decode([i for i, m in zip(ids, mask) if m])
@@ -138,8 +164,10 @@ def test_assistant_tokens_mask_covers_replies_and_their_turn_end():
 
 
 def sft_rows(n: int = 8):
-    return [{"messages": [{"role": "user", "content": f"Count to {w}."}, {"role": "assistant", "content": w}]}
-            for w in ("one", "two", "three", "four")[: n]]
+    return [
+        {"messages": [{"role": "user", "content": f"Count to {w}."}, {"role": "assistant", "content": w}]}
+        for w in ("one", "two", "three", "four")[:n]
+    ]
 
 
 @pytest.mark.parametrize("assistant_only_loss", [False, True])
@@ -151,16 +179,29 @@ def test_trl_sft_fine_tune_stops_at_turn_end(tmp_path, assistant_only_loss):
 
     tok = tiny_tokenizer.__wrapped__()
     model = chat_text_model(tok)
-    args = trl.SFTConfig(output_dir=str(tmp_path / "run"), max_steps=60, learning_rate=1e-2, per_device_train_batch_size=4,
-                         report_to=[], save_strategy="no", use_cpu=True, logging_steps=20, disable_tqdm=True,
-                         assistant_only_loss=assistant_only_loss)
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path / "run"),
+        max_steps=60,
+        learning_rate=1e-2,
+        per_device_train_batch_size=4,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        logging_steps=20,
+        disable_tqdm=True,
+        assistant_only_loss=assistant_only_loss,
+    )
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(sft_rows()), processing_class=tok)
     trainer.train()
     trainer.save_model(str(tmp_path / "model"))
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
     tok2 = AutoTokenizer.from_pretrained(tmp_path / "model")
-    prompt = tok2.apply_chat_template([{"role": "user", "content": "Count to three."}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)
-    out = loaded.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    prompt = tok2.apply_chat_template(
+        [{"role": "user", "content": "Count to three."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )
+    out = loaded.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1] :]
     assert out[-1].item() == tok2.convert_tokens_to_ids(TURN_END) and len(out) < 20
     assert tok2.decode(out, skip_special_tokens=True) == "three"

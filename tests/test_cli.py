@@ -12,12 +12,14 @@ from PIL import Image
 import kimi_hf
 from kimi_hf.cli import main, quickstart_parser, run
 
+
 SCRIPT = Path(sys.executable).parent / "kimi-hf"
 
 
 def shell(*args, timeout=600, **env):
-    return subprocess.run(list(args), capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1", **env})
+    return subprocess.run(
+        list(args), capture_output=True, text=True, timeout=timeout, env={**os.environ, "HF_HUB_OFFLINE": "1", **env}
+    )
 
 
 def one_line_error(text: str, prefix: str = "kimi-hf: error: ") -> str:
@@ -37,8 +39,13 @@ def test_console_script_and_module_print_usage():
 def test_help_does_not_import_torch_or_transformers():
     # `import kimi_hf` imports (and registers) the models, seconds of torch + transformers; the command's own
     # process defers that to first use, so --help and usage errors are instant
-    for cmd in ([str(SCRIPT), "--help"], [str(SCRIPT), "quickstart", "--help"], [str(SCRIPT), "serve", "--help"],
-                [str(SCRIPT), "bench", "--help"], ["-m", "kimi_hf", "--version"]):
+    for cmd in (
+        [str(SCRIPT), "--help"],
+        [str(SCRIPT), "quickstart", "--help"],
+        [str(SCRIPT), "serve", "--help"],
+        [str(SCRIPT), "bench", "--help"],
+        ["-m", "kimi_hf", "--version"],
+    ):
         r = shell(sys.executable, "-X", "importtime", *cmd)
         assert r.returncode == 0, r.stderr[-2000:]
         imported = {line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")}
@@ -46,9 +53,11 @@ def test_help_does_not_import_torch_or_transformers():
 
 
 def test_the_command_still_registers_the_auto_classes_on_first_use():
-    code = ("import sys; sys.argv[0] = 'kimi-hf'; import kimi_hf; assert 'torch' not in sys.modules; "
-            "from transformers import AutoConfig; kimi_hf.KimiHybridConfig; "
-            "print(type(AutoConfig.for_model('kimi_hybrid')).__name__)")
+    code = (
+        "import sys; sys.argv[0] = 'kimi-hf'; import kimi_hf; assert 'torch' not in sys.modules; "
+        "from transformers import AutoConfig; kimi_hf.KimiHybridConfig; "
+        "print(type(AutoConfig.for_model('kimi_hybrid')).__name__)"
+    )
     r = shell(sys.executable, "-c", code)
     assert r.returncode == 0 and r.stdout.strip() == "KimiHybridConfig", r.stderr[-2000:]
     from transformers import AutoConfig  # and here, in a plain `import kimi_hf`
@@ -61,15 +70,18 @@ def test_version(capsys):
     assert capsys.readouterr().out == f"kimi-hf {kimi_hf.__version__}\n"
 
 
-@pytest.mark.parametrize("argv, usage", [
-    (["--help"], "usage: kimi-hf [-h] [--version] COMMAND"),
-    (["quickstart", "--help"], "usage: kimi-hf quickstart [-h]"),
-    (["convert", "--help"], "usage: kimi-hf convert [-h] CONVERTER"),
-    (["convert", "kimi-linear", "--help"], "usage: kimi-hf convert kimi-linear [-h]"),
-    (["convert", "k25-vision", "--help"], "usage: kimi-hf convert k25-vision [-h]"),
-    (["bench", "--help"], "usage: kimi-hf bench [-h] NAME"),
-    (["serve", "--help"], "usage: kimi-hf serve [-h]"),
-])
+@pytest.mark.parametrize(
+    "argv, usage",
+    [
+        (["--help"], "usage: kimi-hf [-h] [--version] COMMAND"),
+        (["quickstart", "--help"], "usage: kimi-hf quickstart [-h]"),
+        (["convert", "--help"], "usage: kimi-hf convert [-h] CONVERTER"),
+        (["convert", "kimi-linear", "--help"], "usage: kimi-hf convert kimi-linear [-h]"),
+        (["convert", "k25-vision", "--help"], "usage: kimi-hf convert k25-vision [-h]"),
+        (["bench", "--help"], "usage: kimi-hf bench [-h] NAME"),
+        (["serve", "--help"], "usage: kimi-hf serve [-h]"),
+    ],
+)
 def test_every_help_exits_0_and_names_its_program(argv, usage, capsys):
     assert main(argv) == 0
     out = capsys.readouterr().out
@@ -125,8 +137,17 @@ def test_runtime_errors_are_one_line_exit_1(tmp_path, capsys, monkeypatch):
         main(["serve", "does/not/exist"])
 
 
-@pytest.mark.parametrize("blocker, kind", [("model", "file"), ("trainer", "file"), ("loss.png", "dir"),
-                                            ("question.png", "dir"), ("summary.json", "dir"), (".", "file")])
+@pytest.mark.parametrize(
+    "blocker, kind",
+    [
+        ("model", "file"),
+        ("trainer", "file"),
+        ("loss.png", "dir"),
+        ("question.png", "dir"),
+        ("summary.json", "dir"),
+        (".", "file"),
+    ],
+)
 def test_quickstart_checks_every_output_path_before_any_work(tmp_path, blocker, kind):
     out = tmp_path / "qs"
     if blocker == ".":  # OUT itself is a file
@@ -137,8 +158,26 @@ def test_quickstart_checks_every_output_path_before_any_work(tmp_path, blocker, 
         blocked = out / blocker
         blocked.write_text("x") if kind == "file" else blocked.mkdir()
     before = sorted(p.name for p in tmp_path.rglob("*"))
-    r = shell(str(SCRIPT), "quickstart", "--size", "tiny", "--steps", "1", "--batch-size", "2", "--text-examples", "2",
-              "--image-examples", "2", "--eval-images", "1", "--out", str(out), "--no-progress", timeout=120)
+    r = shell(
+        str(SCRIPT),
+        "quickstart",
+        "--size",
+        "tiny",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--text-examples",
+        "2",
+        "--image-examples",
+        "2",
+        "--eval-images",
+        "1",
+        "--out",
+        str(out),
+        "--no-progress",
+        timeout=120,
+    )
     assert r.returncode == 1 and r.stdout == ""  # not even step [1/6]
     line = one_line_error(r.stderr)
     assert repr(str(blocked)) in line and ("not a directory" if kind == "file" else "not a file") in line
@@ -157,8 +196,25 @@ def test_quickstart_out_under_a_file_creates_nothing(tmp_path):
 
 def test_quickstart_end_to_end_from_the_command_line(tmp_path):
     out = tmp_path / "qs"
-    r = shell(str(SCRIPT), "quickstart", "--size", "tiny", "--steps", "3", "--batch-size", "4",
-            "--text-examples", "16", "--image-examples", "16", "--eval-images", "4", "--out", str(out), "--no-progress")
+    r = shell(
+        str(SCRIPT),
+        "quickstart",
+        "--size",
+        "tiny",
+        "--steps",
+        "3",
+        "--batch-size",
+        "4",
+        "--text-examples",
+        "16",
+        "--image-examples",
+        "16",
+        "--eval-images",
+        "4",
+        "--out",
+        str(out),
+        "--no-progress",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     for step in ("[1/6]", "[4/6]", "[6/6]", "model + processor:", "loss plot:"):
         assert step in r.stdout
@@ -166,7 +222,9 @@ def test_quickstart_end_to_end_from_the_command_line(tmp_path):
     assert summary["reload_max_logit_diff"] < 1e-4 and summary["steps"] == 3 and summary["device"] == "cpu"
     assert summary["image_answer"] is not None and 0 <= summary["held_out_counting_accuracy"] <= 1
     assert Image.open(out / "loss.png").size == (640, 400)
-    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "kda.py"} <= set(os.listdir(out / "model"))
+    assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "kda.py"} <= set(
+        os.listdir(out / "model")
+    )
 
 
 def test_run_returns_the_result_and_raises():

@@ -16,12 +16,14 @@ import sys
 import pytest
 import torch
 
+
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install 'lm-eval>=0.4.10', or the `test` extra)")
 
 from kimi_hf import KimiHybridForCausalLM  # noqa: E402
 from kimi_hf.tokenization import train_tokenizer  # noqa: E402
 
 from .models.kimi_hybrid.helpers import tiny_config  # noqa: E402
+
 
 LIMIT = 4  # of the 6 multiple-choice docs
 MC_DOCS = [
@@ -42,21 +44,42 @@ def write_tasks(task_dir):
         (task_dir / f"{name}.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     common = "dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {path}\ntest_split: test\nmetadata:\n  version: 1.0\n"
     (task_dir / "kimi_tiny_mc.yaml").write_text(
-        "task: kimi_tiny_mc\n" + common.format(path=json.dumps(str(task_dir / "mc.jsonl")))
+        "task: kimi_tiny_mc\n"
+        + common.format(path=json.dumps(str(task_dir / "mc.jsonl")))
         + 'output_type: multiple_choice\ndoc_to_text: "{{question}}"\ndoc_to_choice: choices\ndoc_to_target: label\n'
-        + "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+        + "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n"
+    )
     (task_dir / "kimi_tiny_ppl.yaml").write_text(
-        "task: kimi_tiny_ppl\n" + common.format(path=json.dumps(str(task_dir / "ppl.jsonl")))
+        "task: kimi_tiny_ppl\n"
+        + common.format(path=json.dumps(str(task_dir / "ppl.jsonl")))
         + 'output_type: loglikelihood_rolling\ndoc_to_text: ""\ndoc_to_target: "{{text}}"\n'
-        + "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n")
+        + "metric_list:\n  - metric: word_perplexity\n  - metric: byte_perplexity\n  - metric: bits_per_byte\n"
+    )
 
 
 def lm_eval_command(model_args, task_dir, out_dir):
     exe = shutil.which("lm_eval", path=os.path.dirname(sys.executable)) or shutil.which("lm_eval")
     assert exe, "lm_eval is importable but its console script is not on PATH"
-    return [exe, "--model", "hf", "--model_args", model_args, "--tasks", "kimi_tiny_mc,kimi_tiny_ppl",
-            "--include_path", str(task_dir), "--device", "cpu", "--batch_size", "2", "--limit", str(LIMIT),
-            "--output_path", str(out_dir), "--log_samples"]
+    return [
+        exe,
+        "--model",
+        "hf",
+        "--model_args",
+        model_args,
+        "--tasks",
+        "kimi_tiny_mc,kimi_tiny_ppl",
+        "--include_path",
+        str(task_dir),
+        "--device",
+        "cpu",
+        "--batch_size",
+        "2",
+        "--limit",
+        str(LIMIT),
+        "--output_path",
+        str(out_dir),
+        "--log_samples",
+    ]
 
 
 def blocking_env(tmp_path):
@@ -66,8 +89,15 @@ def blocking_env(tmp_path):
     for name in ("kimi_hf", "kimi_hf_kernels"):
         (stubs / name).mkdir(parents=True)
         (stubs / name / "__init__.py").write_text(f"raise ImportError('{name} must not be needed by lm_eval')\n")
-    return dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-                HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH=str(stubs), TOKENIZERS_PARALLELISM="false")
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        HF_HOME=str(tmp_path / "hf_home"),
+        PYTHONPATH=str(stubs),
+        TOKENIZERS_PARALLELISM="false",
+    )
 
 
 def loglikelihood(model, tok, context, continuation):
@@ -77,25 +107,44 @@ def loglikelihood(model, tok, context, continuation):
     ids = whole if context else [tok.bos_token_id] + whole  # rolling: lm_eval's prefix token (BOS) is the context
     n_ctx = n_ctx if context else 1
     with torch.no_grad():
-        logprobs = model(input_ids=torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)[n_ctx - 1:]
+        logprobs = model(input_ids=torch.tensor([ids[:-1]])).logits[0].log_softmax(-1)[n_ctx - 1 :]
     return logprobs.gather(-1, torch.tensor(ids[n_ctx:])[:, None]).sum().item()
 
 
 def test_lm_eval_cli_with_trust_remote_code(tmp_path):
     tok = train_tokenizer([d["question"] + " " + " ".join(d["choices"]) for d in MC_DOCS] * 3, vocab_size=300)
-    model = KimiHybridForCausalLM(tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    model = KimiHybridForCausalLM(
+        tiny_config(
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).eval()
     model_dir, task_dir = tmp_path / "model", tmp_path / "tasks"
     model.save_pretrained(model_dir)
     tok.save_pretrained(model_dir)
     write_tasks(task_dir)
     env = blocking_env(tmp_path)
 
-    untrusted = subprocess.Popen(lm_eval_command(f"pretrained={model_dir},dtype=float32", task_dir, tmp_path / "out_untrusted"),
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                 env=env, cwd=tmp_path)
-    run = subprocess.run(lm_eval_command(f"pretrained={model_dir},trust_remote_code=True,dtype=float32", task_dir, tmp_path / "out"),
-                         capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, cwd=tmp_path, timeout=300)
+    untrusted = subprocess.Popen(
+        lm_eval_command(f"pretrained={model_dir},dtype=float32", task_dir, tmp_path / "out_untrusted"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+    )
+    run = subprocess.run(
+        lm_eval_command(f"pretrained={model_dir},trust_remote_code=True,dtype=float32", task_dir, tmp_path / "out"),
+        capture_output=True,
+        text=True,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
+    )
     untrusted_log = untrusted.communicate(timeout=300)[0]
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
     assert "kimi_tiny_mc" in run.stdout and "acc" in run.stdout  # the results table

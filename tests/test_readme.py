@@ -14,13 +14,14 @@ from kimi_hf.scenes import render_scene
 
 from .models.kimi_hybrid.helpers import tiny_processor
 
+
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
 def snippet(heading: str) -> str:
     """The first ```python block after `heading`."""
     text = README.read_text(encoding="utf-8")
-    section = text[text.index(heading):]
+    section = text[text.index(heading) :]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)
 
 

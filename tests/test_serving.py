@@ -28,6 +28,7 @@ from kimi_hf.scenes import render_scene
 from .models.kimi_hybrid.helpers import tiny_config, tiny_processor
 from .test_chat import reply_bias
 
+
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 
@@ -42,8 +43,12 @@ def free_port() -> int:
 
 def start(path, *extra):
     port = free_port()
-    proc = subprocess.Popen([*SERVER, str(path), "--port", str(port), "--device", "cpu", "--dtype", "float32", *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*SERVER, str(path), "--port", str(port), "--device", "cpu", "--dtype", "float32", *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + 180
     while True:
         if proc.poll() is not None:
@@ -69,10 +74,16 @@ def stop(proc) -> str:
 
 
 def chat(url, model, content, max_tokens=8):
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens,
-            "temperature": 0.0, "stream": False}
-    req = urllib.request.Request(f"{url}/chat/completions", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": False,
+    }
+    req = urllib.request.Request(
+        f"{url}/chat/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())
 
@@ -98,18 +109,23 @@ def test_serves_the_multimodal_model_text_and_image_requests_and_an_alias(tmp_pa
     small_multimodal_model(tok, "tiny", image_size=28).save_pretrained(path)
     proc_.save_pretrained(path)
     image = render_scene(random.Random(0), 28, circles=2)
-    text_prompt = proc_.apply_chat_template([{"role": "user", "content": "Say yes."}], tokenize=False,
-                                            add_generation_prompt=True)
+    text_prompt = proc_.apply_chat_template(
+        [{"role": "user", "content": "Say yes."}], tokenize=False, add_generation_prompt=True
+    )
     image_prompt = proc_.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many circles?"}]}],
-        tokenize=False, add_generation_prompt=True)
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     force_replies(path, tok, [text_prompt, image_prompt], ["yes", "2"])
     server, url = start(path, "--served-model-name", "my-model")
     try:
         reply = chat(url, str(path), "Say yes.")["choices"][0]
         assert reply["message"]["content"] == "yes" and reply["finish_reason"] == "stop"
-        parts = [{"type": "image_url", "image_url": {"url": data_url(image)}},
-                 {"type": "text", "text": "How many circles?"}]
+        parts = [
+            {"type": "image_url", "image_url": {"url": data_url(image)}},
+            {"type": "text", "text": "How many circles?"},
+        ]
         assert chat(url, "my-model", parts)["choices"][0]["message"]["content"] == "2"
         with pytest.raises(urllib.error.HTTPError) as e:
             chat(url, "another-model", "Say yes.")
@@ -123,11 +139,19 @@ def test_serves_a_text_model_saved_beside_a_processor(tmp_path):
     tok = proc_.tokenizer
     torch.manual_seed(0)
     path = tmp_path / "text"
-    KimiHybridForCausalLM(tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
-                                      eos_token_id=chat_stop_token_ids(tok))).save_pretrained(path)
+    KimiHybridForCausalLM(
+        tiny_config(
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=chat_stop_token_ids(tok),
+        )
+    ).save_pretrained(path)
     proc_.save_pretrained(path)  # tokenizer_config.json now names processor_class and its auto_map
     assert "processor_class" in json.loads((path / "tokenizer_config.json").read_text())
-    prompt = tok.apply_chat_template([{"role": "user", "content": "Hello?"}], tokenize=False, add_generation_prompt=True)
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Hello?"}], tokenize=False, add_generation_prompt=True
+    )
     force_replies(path, tok, [prompt], ["hi there"])
     server, url = start(path)
     try:
@@ -136,14 +160,25 @@ def test_serves_a_text_model_saved_beside_a_processor(tmp_path):
         print(stop(server))
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: p / "does" / "not" / "exist", "does not exist"),
-    (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "is a file"),
-    (lambda p: (p / "cfg").mkdir() or (p / "cfg" / "config.json").write_text('{"model_type": "llama"}') and p / "cfg",
-     "model_type 'llama'"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda p: p / "does" / "not" / "exist", "does not exist"),
+        (lambda p: (p / "f.txt").write_text("x") and p / "f.txt", "is a file"),
+        (
+            lambda p: (
+                (p / "cfg").mkdir() or (p / "cfg" / "config.json").write_text('{"model_type": "llama"}') and p / "cfg"
+            ),
+            "model_type 'llama'",
+        ),
+    ],
+)
 def test_start_up_errors_are_one_line(tmp_path, make, message):
-    r = subprocess.run([sys.executable, "-m", "kimi_hf.cli", "serve", str(make(tmp_path))], capture_output=True,
-                       text=True, timeout=120)
+    r = subprocess.run(
+        [sys.executable, "-m", "kimi_hf.cli", "serve", str(make(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode != 0 and message in r.stderr
     assert "Traceback" not in r.stderr, r.stderr

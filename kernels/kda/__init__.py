@@ -4,4 +4,5 @@ fused recurrent forward (decoding). CUDA; CPU only under TRITON_INTERPRET=1."""
 from .chunk import chunk_kda
 from .recurrent import recurrent_kda
 
+
 __all__ = ["chunk_kda", "recurrent_kda"]

@@ -40,8 +40,25 @@ def _wy(m, q, k, v, beta, G, A, X):
     T, H, K, V, tab, dt = q.shape[0], m.H, m.K, m.V, m.tab, _operand_dtype(q)
     W = torch.empty(T, H, K, dtype=dt, device=q.device)
     U = torch.empty(T, H, V, dtype=dt, device=q.device)
-    wy_kernel[(tab.num_chunks, H)](k, v, beta, G, A, X, W, U, tab.bos, tab.length, V=V, BC=SUB, BV=m.BV,
-                                   L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid, INVERT=A is not None, **m.common())
+    wy_kernel[(tab.num_chunks, H)](
+        k,
+        v,
+        beta,
+        G,
+        A,
+        X,
+        W,
+        U,
+        tab.bos,
+        tab.length,
+        V=V,
+        BC=SUB,
+        BV=m.BV,
+        L2NORM=m.l2norm,
+        BETA_SIGMOID=m.beta_sigmoid,
+        INVERT=A is not None,
+        **m.common(),
+    )
     return W, U
 
 
@@ -52,8 +69,24 @@ def _states(m, q, k, G, W, U, h0, want_final):
     vnew = torch.empty(T, H, V, dtype=dt, device=q.device)
     ht = torch.empty(tab.N, H, K, V, dtype=torch.float32, device=q.device) if want_final else None
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), tab.N * H)  # noqa: E731
-    state_kernel[grid](k, W, U, G, h0, hs, vnew, ht, tab.bos, tab.length, tab.seq, V=V, L2NORM=m.l2norm,
-                       USE_H0=h0 is not None, STORE_HT=want_final, **m.common())
+    state_kernel[grid](
+        k,
+        W,
+        U,
+        G,
+        h0,
+        hs,
+        vnew,
+        ht,
+        tab.bos,
+        tab.length,
+        tab.seq,
+        V=V,
+        L2NORM=m.l2norm,
+        USE_H0=h0 is not None,
+        STORE_HT=want_final,
+        **m.common(),
+    )
     return hs, vnew, ht
 
 
@@ -64,17 +97,32 @@ class ChunkKDAFunction(torch.autograd.Function):
         new32 = lambda *s: torch.empty(*s, dtype=torch.float32, device=q.device)  # noqa: E731
         G, A, P, X = new32(T, H, K), new32(T, H, CHUNK), new32(T, H, CHUNK), new32(T, H, CHUNK)
         grid = (tab.num_chunks, H)
-        gate_cumsum_kernel[grid](g, A_log, dt_bias, G, tab.bos, tab.length, GATE=meta.gate,
-                                 HAS_BIAS=dt_bias is not None, **meta.common())
-        scores_kernel[grid](q, k, beta, G, A, P, tab.bos, tab.length, meta.scale, BC=SUB, L2NORM=meta.l2norm,
-                            BETA_SIGMOID=meta.beta_sigmoid, **meta.common())
+        gate_cumsum_kernel[grid](
+            g, A_log, dt_bias, G, tab.bos, tab.length, GATE=meta.gate, HAS_BIAS=dt_bias is not None, **meta.common()
+        )
+        scores_kernel[grid](
+            q,
+            k,
+            beta,
+            G,
+            A,
+            P,
+            tab.bos,
+            tab.length,
+            meta.scale,
+            BC=SUB,
+            L2NORM=meta.l2norm,
+            BETA_SIGMOID=meta.beta_sigmoid,
+            **meta.common(),
+        )
         W, U = _wy(meta, q, k, v, beta, G, A, X)
         hs, vnew, ht = _states(meta, q, k, G, W, U, h0, want_final)
         del A, W, U  # the backward recomputes W, U from X and the states rather than keeping them
         o = torch.empty(T, H, V, dtype=q.dtype, device=q.device)
         out_grid = lambda m: (triton.cdiv(V, m["BV"]), tab.num_chunks, H)  # noqa: E731
-        output_kernel[out_grid](q, G, P, hs, vnew, o, tab.bos, tab.length, meta.scale, V=V, L2NORM=meta.l2norm,
-                                **meta.common())
+        output_kernel[out_grid](
+            q, G, P, hs, vnew, o, tab.bos, tab.length, meta.scale, V=V, L2NORM=meta.l2norm, **meta.common()
+        )
         ctx.save_for_backward(q, k, v, g, beta, A_log, dt_bias, h0, G, X, P)
         ctx.meta = meta
         return o, ht
@@ -94,22 +142,113 @@ class ChunkKDAFunction(torch.autograd.Function):
         dhs, dvnew = new32(tab.num_chunks, H, K, V), new32(T, H, V)
         dh0 = new32(tab.N, H, K, V) if h0 is not None else None
         grid = lambda meta: (triton.cdiv(V, meta["BV"]), tab.N * H)  # noqa: E731
-        state_bwd_kernel[grid](q, k, G, W, P, do, dht, dh0, dhs, dvnew, tab.bos, tab.length, tab.seq, m.scale, V=V,
-                               L2NORM=m.l2norm, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **m.common())
+        state_bwd_kernel[grid](
+            q,
+            k,
+            G,
+            W,
+            P,
+            do,
+            dht,
+            dh0,
+            dhs,
+            dvnew,
+            tab.bos,
+            tab.length,
+            tab.seq,
+            m.scale,
+            V=V,
+            L2NORM=m.l2norm,
+            USE_DHT=dht is not None,
+            STORE_DH0=dh0 is not None,
+            **m.common(),
+        )
         dq1, dk1, dG1, dW, dP = new32(T, H, K), new32(T, H, K), new32(T, H, K), new32(T, H, K), new32(T, H, CHUNK)
         cgrid = (tab.num_chunks, H)
         local_bwd_kernel[(tab.num_chunks, H, triton.cdiv(K, INNER_BLOCK))](
-            q, k, G, hs, dhs, vnew, dvnew, do, dq1, dk1, dG1, dW, dP, tab.bos, tab.length, m.scale, H=H, K=K, V=V,
-            BT=CHUNK, BKB=INNER_BLOCK, BV=INNER_BLOCK, L2NORM=m.l2norm)
+            q,
+            k,
+            G,
+            hs,
+            dhs,
+            vnew,
+            dvnew,
+            do,
+            dq1,
+            dk1,
+            dG1,
+            dW,
+            dP,
+            tab.bos,
+            tab.length,
+            m.scale,
+            H=H,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            BKB=INNER_BLOCK,
+            BV=INNER_BLOCK,
+            L2NORM=m.l2norm,
+        )
         dk2, dG2, dA, dbeta2 = new32(T, H, K), new32(T, H, K), new32(T, H, CHUNK), new32(T, H)
         dv = torch.empty_like(v)
-        wy_bwd_kernel[cgrid](k, v, beta, G, X, dW, dvnew, dk2, dG2, dv, dbeta2, dA, tab.bos, tab.length, H=H, K=K, V=V,
-                             BT=CHUNK, BKB=INNER_BLOCK, BV=INNER_BLOCK, L2NORM=m.l2norm, BETA_SIGMOID=m.beta_sigmoid)
+        wy_bwd_kernel[cgrid](
+            k,
+            v,
+            beta,
+            G,
+            X,
+            dW,
+            dvnew,
+            dk2,
+            dG2,
+            dv,
+            dbeta2,
+            dA,
+            tab.bos,
+            tab.length,
+            H=H,
+            K=K,
+            V=V,
+            BT=CHUNK,
+            BKB=INNER_BLOCK,
+            BV=INNER_BLOCK,
+            L2NORM=m.l2norm,
+            BETA_SIGMOID=m.beta_sigmoid,
+        )
         dq, dk, dg, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(beta)
         dA_log = new32(tab.num_chunks, H) if m.gate else None
-        intra_bwd_kernel[cgrid](q, k, g, beta, A_log, dt_bias, G, dA, dP, dq1, dk1, dG1, dk2, dG2, dbeta2,
-                                dq, dk, dg, dbeta, dA_log, tab.bos, tab.length, m.scale, BC=SUB, L2NORM=m.l2norm,
-                                BETA_SIGMOID=m.beta_sigmoid, GATE=m.gate, HAS_BIAS=dt_bias is not None, **m.common())
+        intra_bwd_kernel[cgrid](
+            q,
+            k,
+            g,
+            beta,
+            A_log,
+            dt_bias,
+            G,
+            dA,
+            dP,
+            dq1,
+            dk1,
+            dG1,
+            dk2,
+            dG2,
+            dbeta2,
+            dq,
+            dk,
+            dg,
+            dbeta,
+            dA_log,
+            tab.bos,
+            tab.length,
+            m.scale,
+            BC=SUB,
+            L2NORM=m.l2norm,
+            BETA_SIGMOID=m.beta_sigmoid,
+            GATE=m.gate,
+            HAS_BIAS=dt_bias is not None,
+            **m.common(),
+        )
         d_alog = d_bias = None
         if m.gate:
             d_alog = dA_log.sum(0).to(A_log.dtype)
@@ -118,8 +257,21 @@ class ChunkKDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, d_alog, d_bias, dh0, None, None
 
 
-def chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False,
-              A_log=None, dt_bias=None, use_beta_sigmoid=False):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid=False,
+):
     """Chunked KDA (forward and backward on Triton), same contract as kimi_hf.ops.chunk_kda's
     implementations (inputs already checked): q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]
     (the log-decay, or the raw forget projection f when A_log is given: g = -exp(A_log) *
@@ -133,7 +285,16 @@ def chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seq
     tab = ChunkTables(B, T, cu_seqlens, q.device)
     meta = _Meta(tab, H, K, V, float(scale), bool(use_qk_l2norm), A_log is not None, bool(use_beta_sigmoid))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
-    o, ht = ChunkKDAFunction.apply(_flat(q), _flat(k), _flat(v), _flat(g), _flat(beta),
-                                   A_log.contiguous() if A_log is not None else None,
-                                   dt_bias.contiguous() if dt_bias is not None else None, h0, meta, bool(output_final_state))
+    o, ht = ChunkKDAFunction.apply(
+        _flat(q),
+        _flat(k),
+        _flat(v),
+        _flat(g),
+        _flat(beta),
+        A_log.contiguous() if A_log is not None else None,
+        dt_bias.contiguous() if dt_bias is not None else None,
+        h0,
+        meta,
+        bool(output_final_state),
+    )
     return o.view(B, T, H, V), ht

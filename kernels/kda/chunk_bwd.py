@@ -18,15 +18,51 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (configs, l2norm_bwd, load_beta, load_block, load_cumgate, load_cumgate_cols, load_cumgate_row,
-                     load_qk, load_rows, qk_row_scale, softplus, state_ptrs, store_block, store_rows)
+from .common import (
+    configs,
+    l2norm_bwd,
+    load_beta,
+    load_block,
+    load_cumgate,
+    load_cumgate_cols,
+    load_cumgate_row,
+    load_qk,
+    load_rows,
+    qk_row_scale,
+    softplus,
+    state_ptrs,
+    store_block,
+    store_rows,
+)
 
 
 @triton.autotune(configs=configs({"BV": (32, 64)}, {"BV": 32}), key=["H", "K", "V"])
 @triton.jit
-def state_bwd_kernel(q, k, G, W, P, do, dht, dh0, dhs, dvnew, chunk_bos, chunk_len, seq_chunks, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-                     BV: tl.constexpr, L2NORM: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr):
+def state_bwd_kernel(
+    q,
+    k,
+    G,
+    W,
+    P,
+    do,
+    dht,
+    dh0,
+    dhs,
+    dvnew,
+    chunk_bos,
+    chunk_len,
+    seq_chunks,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    USE_DHT: tl.constexpr,
+    STORE_DH0: tl.constexpr,
+):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     dS = tl.zeros([BK, BV], dtype=tl.float32)
@@ -49,7 +85,11 @@ def state_bwd_kernel(q, k, G, W, P, do, dht, dh0, dhs, dvnew, chunk_bos, chunk_l
         store_rows(dvnew, dv_new, bos, n, i_h, i_v * BV, H, V, BT, BV)
         q_e = load_qk(q, bos, n, i_h, H, K, BT, BK, L2NORM) * scale * tl.exp(Gt)
         w = load_rows(W, bos, n, i_h, 0, H, K, BT, BK)
-        dS = dS * tl.exp(G_last)[:, None] + tl.dot(tl.trans(q_e.to(dt)), d_o.to(dt)) - tl.dot(tl.trans(w.to(dt)), dv_new.to(dt))
+        dS = (
+            dS * tl.exp(G_last)[:, None]
+            + tl.dot(tl.trans(q_e.to(dt)), d_o.to(dt))
+            - tl.dot(tl.trans(w.to(dt)), dv_new.to(dt))
+        )
     if STORE_DH0:
         p_0, m_s = state_ptrs(dh0, i_n, i_h, 0, i_v, H, K, V, BK, BV)
         tl.store(p_0, dS, mask=m_s)
@@ -57,9 +97,31 @@ def state_bwd_kernel(q, k, G, W, P, do, dht, dh0, dhs, dvnew, chunk_bos, chunk_l
 
 @triton.autotune(configs=configs({}), key=["H", "K", "V"])
 @triton.jit
-def local_bwd_kernel(q, k, G, hs, dhs, vnew, dvnew, do, dq1, dk1, dG1, dW, dP, chunk_bos, chunk_len, scale,
-                     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr,
-                     BV: tl.constexpr, L2NORM: tl.constexpr):
+def local_bwd_kernel(
+    q,
+    k,
+    G,
+    hs,
+    dhs,
+    vnew,
+    dvnew,
+    do,
+    dq1,
+    dk1,
+    dG1,
+    dW,
+    dP,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BKB: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
     """One program per (chunk, head, block of BKB key channels); the first block also stores dP."""
     i_c, i_h, i_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
@@ -85,8 +147,16 @@ def local_bwd_kernel(q, k, G, hs, dhs, vnew, dvnew, do, dq1, dk1, dG1, dW, dP, c
     G_last = load_cumgate_row(G, bos + n - 1, i_h, k0, H, K, BKB)
     e_G = tl.exp(Gt)
     e_end = tl.exp(G_last[None, :] - Gt)
-    q_e = load_rows(q, bos, n, i_h, k0, H, K, BT, BKB) * (qk_row_scale(q, bos, n, i_h, H, K, BT, BKB, L2NORM) * scale)[:, None] * e_G
-    k_end = load_rows(k, bos, n, i_h, k0, H, K, BT, BKB) * qk_row_scale(k, bos, n, i_h, H, K, BT, BKB, L2NORM)[:, None] * e_end
+    q_e = (
+        load_rows(q, bos, n, i_h, k0, H, K, BT, BKB)
+        * (qk_row_scale(q, bos, n, i_h, H, K, BT, BKB, L2NORM) * scale)[:, None]
+        * e_G
+    )
+    k_end = (
+        load_rows(k, bos, n, i_h, k0, H, K, BT, BKB)
+        * qk_row_scale(k, bos, n, i_h, H, K, BT, BKB, L2NORM)[:, None]
+        * e_end
+    )
     d_G = d_qe * q_e - d_kend * k_end
     d_last = d_last * tl.exp(G_last) + tl.sum(d_kend * k_end, 0)
     r = tl.arange(0, BT)
@@ -105,9 +175,30 @@ def local_bwd_kernel(q, k, G, hs, dhs, vnew, dvnew, do, dq1, dk1, dG1, dW, dP, c
 
 @triton.autotune(configs=configs({}), key=["H", "K", "V"])
 @triton.jit
-def wy_bwd_kernel(k, v, beta, G, X, dW, dvnew, dk2, dG2, dv, dbeta2, dA, chunk_bos, chunk_len,
-                  H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr,
-                  BV: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+def wy_bwd_kernel(
+    k,
+    v,
+    beta,
+    G,
+    X,
+    dW,
+    dvnew,
+    dk2,
+    dG2,
+    dv,
+    dbeta2,
+    dA,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BKB: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
+):
     """One program per (chunk, head), walking K and V in column blocks."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
@@ -165,10 +256,40 @@ def _diag_scores_bwd(q_i, k_i, G_i, b_i, d_a, d_p, dq, dk, dG, db, BC: tl.conste
 
 @triton.autotune(configs=configs({}), key=["H", "K", "L2NORM", "GATE"])
 @triton.jit
-def intra_bwd_kernel(q, k, g, beta, A_log, dt_bias, G, dA, dP, dq1, dk1, dG1, dk2, dG2, dbeta2,
-                     dq, dk, dg, dbeta, dA_log, chunk_bos, chunk_len, scale, H: tl.constexpr, K: tl.constexpr,
-                     BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr,
-                     BETA_SIGMOID: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def intra_bwd_kernel(
+    q,
+    k,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    G,
+    dA,
+    dP,
+    dq1,
+    dk1,
+    dG1,
+    dk2,
+    dG2,
+    dbeta2,
+    dq,
+    dk,
+    dg,
+    dbeta,
+    dA_log,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     NS: tl.constexpr = BT // BC
@@ -215,8 +336,18 @@ def intra_bwd_kernel(q, k, g, beta, A_log, dt_bias, G, dA, dP, dq1, dk1, dG1, dk
             d_k += d_c * F_t
             d_G -= d_c * F_t * k_t
         d_q, d_k, d_G, d_b = _diag_scores_bwd(
-            q_t, k_t, G_t, b_t, load_block(dA, t_t, n_t, i_h, t * BC, H, BT, BC, BC),
-            load_block(dP, t_t, n_t, i_h, t * BC, H, BT, BC, BC), d_q, d_k, d_G, d_b, BC)
+            q_t,
+            k_t,
+            G_t,
+            b_t,
+            load_block(dA, t_t, n_t, i_h, t * BC, H, BT, BC, BC),
+            load_block(dP, t_t, n_t, i_h, t * BC, H, BT, BC, BC),
+            d_q,
+            d_k,
+            d_G,
+            d_b,
+            BC,
+        )
         # G is the cumsum of g inside the chunk: dg = reverse cumsum of dG over the chunk's rows
         d_g = tl.cumsum(d_G, 0, reverse=True) + later[None, :]
         later += tl.sum(d_G, 0)
@@ -227,7 +358,9 @@ def intra_bwd_kernel(q, k, g, beta, A_log, dt_bias, G, dA, dP, dq1, dk1, dG1, dk
         if GATE:  # g = -exp(A_log) softplus(f + dt_bias): df = dg * -exp(A_log) sigmoid(f + dt_bias)
             f = load_rows(g, t_t, n_t, i_h, 0, H, K, BC, BK)
             if HAS_BIAS:
-                f += tl.load(dt_bias + i_h * K + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0).to(tl.float32)[None, :]
+                f += tl.load(dt_bias + i_h * K + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0).to(
+                    tl.float32
+                )[None, :]
             a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
             valid = (r < n_t)[:, None]
             d_alog += tl.sum(tl.where(valid, d_g * -a * softplus(f), 0.0), 0)  # dg/dA_log = g

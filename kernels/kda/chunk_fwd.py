@@ -20,14 +20,37 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (configs, load_beta, load_block, load_cumgate, load_cumgate_row, load_qk, load_rows, softplus,
-                     state_ptrs, store_block, store_rows)
+from .common import (
+    configs,
+    load_beta,
+    load_block,
+    load_cumgate,
+    load_cumgate_row,
+    load_qk,
+    load_rows,
+    softplus,
+    state_ptrs,
+    store_block,
+    store_rows,
+)
 
 
 @triton.autotune(configs=configs({}), key=["H", "K", "GATE"])
 @triton.jit
-def gate_cumsum_kernel(g, A_log, dt_bias, G, chunk_bos, chunk_len, H: tl.constexpr, K: tl.constexpr,
-                       BT: tl.constexpr, BK: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr):
+def gate_cumsum_kernel(
+    g,
+    A_log,
+    dt_bias,
+    G,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     x = load_rows(g, bos, n, i_h, 0, H, K, BT, BK)
@@ -58,8 +81,24 @@ def _diag_scores(q_i, k_i, G_i, BC: tl.constexpr):
 
 @triton.autotune(configs=configs({}), key=["H", "K", "L2NORM"])
 @triton.jit
-def scores_kernel(q, k, beta, G, A, P, chunk_bos, chunk_len, scale, H: tl.constexpr, K: tl.constexpr,
-                  BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+def scores_kernel(
+    q,
+    k,
+    beta,
+    G,
+    A,
+    P,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
+):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
     # runtime loops over sub-chunks (not unrolled): small code, low register pressure
@@ -98,9 +137,28 @@ def _unit_lower_inverse(a, BC: tl.constexpr):
 
 @triton.autotune(configs=configs({}), key=["H", "K", "V", "INVERT"])
 @triton.jit
-def wy_kernel(k, v, beta, G, A, X, W, U, chunk_bos, chunk_len, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-              BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-              BETA_SIGMOID: tl.constexpr, INVERT: tl.constexpr):
+def wy_kernel(
+    k,
+    v,
+    beta,
+    G,
+    A,
+    X,
+    W,
+    U,
+    chunk_bos,
+    chunk_len,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BC: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
+    INVERT: tl.constexpr,
+):
     """X = (I + A)^-1 (when INVERT; otherwise X is read), then W = X (beta e^G k), U = X (beta v)."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
@@ -114,9 +172,11 @@ def wy_kernel(k, v, beta, G, A, X, W, U, chunk_bos, chunk_len, H: tl.constexpr, 
             for j in range(i):
                 acc = tl.zeros([BC, BC], dtype=tl.float32)
                 for m in range(j, i):
-                    acc += tl.dot(load_block(A, t_i, n_i, i_h, m * BC, H, BT, BC, BC),
-                                  load_block(X, bos + m * BC, n - m * BC, i_h, j * BC, H, BT, BC, BC),
-                                  input_precision="tf32x3")
+                    acc += tl.dot(
+                        load_block(A, t_i, n_i, i_h, m * BC, H, BT, BC, BC),
+                        load_block(X, bos + m * BC, n - m * BC, i_h, j * BC, H, BT, BC, BC),
+                        input_precision="tf32x3",
+                    )
                 store_block(X, -tl.dot(x_ii, acc, input_precision="tf32x3"), t_i, n_i, i_h, j * BC, H, BT, BC, BC)
             for j in range(i + 1, NS):
                 store_block(X, tl.zeros([BC, BC], dtype=tl.float32), t_i, n_i, i_h, j * BC, H, BT, BC, BC)
@@ -139,9 +199,28 @@ def wy_kernel(k, v, beta, G, A, X, W, U, chunk_bos, chunk_len, H: tl.constexpr, 
 
 @triton.autotune(configs=configs({"BV": (32, 64)}, {"BV": 32}), key=["H", "K", "V"])
 @triton.jit
-def state_kernel(k, W, U, G, h0, hs, vnew, ht, chunk_bos, chunk_len, seq_chunks, H: tl.constexpr, K: tl.constexpr,
-                 V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr,
-                 USE_H0: tl.constexpr, STORE_HT: tl.constexpr):
+def state_kernel(
+    k,
+    W,
+    U,
+    G,
+    h0,
+    hs,
+    vnew,
+    ht,
+    chunk_bos,
+    chunk_len,
+    seq_chunks,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+):
     """One program per (value block, sequence, head) walks the sequence's chunks."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -158,7 +237,9 @@ def state_kernel(k, W, U, G, h0, hs, vnew, ht, chunk_bos, chunk_len, seq_chunks,
         v_new = load_rows(U, bos, n, i_h, i_v * BV, H, V, BT, BV) - tl.dot(w.to(dt), S.to(dt))
         store_rows(vnew, v_new, bos, n, i_h, i_v * BV, H, V, BT, BV)
         G_last = load_cumgate_row(G, bos + n - 1, i_h, 0, H, K, BK)
-        k_end = load_qk(k, bos, n, i_h, H, K, BT, BK, L2NORM) * tl.exp(G_last[None, :] - load_cumgate(G, bos, n, i_h, H, K, BT, BK))
+        k_end = load_qk(k, bos, n, i_h, H, K, BT, BK, L2NORM) * tl.exp(
+            G_last[None, :] - load_cumgate(G, bos, n, i_h, H, K, BT, BK)
+        )
         S = S * tl.exp(G_last)[:, None] + tl.dot(tl.trans(k_end.to(dt)), v_new.to(dt))
     if STORE_HT:
         p_t, m_s = state_ptrs(ht, i_n, i_h, 0, i_v, H, K, V, BK, BV)
@@ -167,8 +248,24 @@ def state_kernel(k, W, U, G, h0, hs, vnew, ht, chunk_bos, chunk_len, seq_chunks,
 
 @triton.autotune(configs=configs({"BV": (32, 64)}, {"BV": 32}), key=["H", "K", "V"])
 @triton.jit
-def output_kernel(q, G, P, hs, vnew, o, chunk_bos, chunk_len, scale, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, L2NORM: tl.constexpr):
+def output_kernel(
+    q,
+    G,
+    P,
+    hs,
+    vnew,
+    o,
+    chunk_bos,
+    chunk_len,
+    scale,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BT: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
     """o = (q e^G) S + P v' for one (value block, chunk, head)."""
     i_v, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, n = tl.load(chunk_bos + i_c), tl.load(chunk_len + i_c)
@@ -177,6 +274,8 @@ def output_kernel(q, G, P, hs, vnew, o, chunk_bos, chunk_len, scale, H: tl.const
     p_c, m_s = state_ptrs(hs, i_c, i_h, 0, i_v, H, K, V, BK, BV)
     S = tl.load(p_c, mask=m_s, other=0.0)
     out = tl.dot(q_e.to(dt), S.to(dt))
-    out += tl.dot(load_block(P, bos, n, i_h, 0, H, BT, BT, BT).to(dt), load_rows(vnew, bos, n, i_h, i_v * BV, H, V, BT, BV).to(dt))
+    out += tl.dot(
+        load_block(P, bos, n, i_h, 0, H, BT, BT, BT).to(dt),
+        load_rows(vnew, bos, n, i_h, i_v * BV, H, V, BT, BV).to(dt),
+    )
     store_rows(o, out, bos, n, i_h, i_v * BV, H, V, BT, BV)
-

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 CHUNK = 64  # tokens per chunk
 SUB = 16  # tokens per sub-chunk: the granularity of the anchored exponents and of the inverse
@@ -105,8 +106,9 @@ def load_cumgate_row(G, t, i_h, col0, H: tl.constexpr, K: tl.constexpr, BK: tl.c
 
 
 @triton.jit
-def qk_row_scale(ptr, t0, n, i_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr,
-                 L2NORM: tl.constexpr):
+def qk_row_scale(
+    ptr, t0, n, i_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BKB: tl.constexpr, L2NORM: tl.constexpr
+):
     """[BR] factor 1 / sqrt(sum x^2 + 1e-6) of the fused L2 norm of rows t0 + [0, BR) (ones when off),
     summed over K in blocks of BKB: kernels that work on K in blocks apply it to each block."""
     f = tl.full([BR], 1.0, dtype=tl.float32)
@@ -120,7 +122,9 @@ def qk_row_scale(ptr, t0, n, i_h, H: tl.constexpr, K: tl.constexpr, BR: tl.const
 
 
 @triton.jit
-def load_qk(ptr, t0, n, i_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr):
+def load_qk(
+    ptr, t0, n, i_h, H: tl.constexpr, K: tl.constexpr, BR: tl.constexpr, BK: tl.constexpr, L2NORM: tl.constexpr
+):
     """A q or k tile in fp32, L2-normalised per row as x / sqrt(sum x^2 + 1e-6) when L2NORM."""
     x = load_rows(ptr, t0, n, i_h, 0, H, K, BR, BK)
     if L2NORM:
@@ -167,8 +171,9 @@ def store_block(ptr, x, t0, n, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BR:
 
 
 @triton.jit
-def state_ptrs(ptr, i_c, i_h, k0, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
-               BV: tl.constexpr):
+def state_ptrs(
+    ptr, i_c, i_h, k0, i_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr
+):
     """Pointers and mask of the [BK, BV] block (rows k0 + [0, BK), value block i_v) of state i_c
     (head i_h) of a [*, H, K, V] tensor."""
     o_k = k0 + tl.arange(0, BK)

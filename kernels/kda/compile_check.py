@@ -18,10 +18,12 @@ import subprocess
 import tempfile
 
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource, compile as triton_compile
+from triton.compiler import ASTSource
+from triton.compiler import compile as triton_compile
 
 from . import chunk_bwd, chunk_fwd, recurrent
 from .common import INNER_BLOCK
+
 
 # pointers holding inputs, outputs of the inputs' dtype and the stored dot operands
 _INPUT_DTYPE = {"q", "k", "v", "g", "beta", "W", "U", "vnew", "hs", "o", "do", "dq", "dk", "dv", "dg", "dbeta"}
@@ -31,17 +33,41 @@ _SCALARS = {"scale": "fp32", "T": "i32"}
 
 def kernels():
     return {
-        "gate_cumsum": chunk_fwd.gate_cumsum_kernel, "scores": chunk_fwd.scores_kernel, "wy": chunk_fwd.wy_kernel,
-        "state": chunk_fwd.state_kernel, "output": chunk_fwd.output_kernel, "state_bwd": chunk_bwd.state_bwd_kernel,
-        "local_bwd": chunk_bwd.local_bwd_kernel, "wy_bwd": chunk_bwd.wy_bwd_kernel,
-        "intra_bwd": chunk_bwd.intra_bwd_kernel, "recurrent": recurrent._recurrent_kda_fwd,
+        "gate_cumsum": chunk_fwd.gate_cumsum_kernel,
+        "scores": chunk_fwd.scores_kernel,
+        "wy": chunk_fwd.wy_kernel,
+        "state": chunk_fwd.state_kernel,
+        "output": chunk_fwd.output_kernel,
+        "state_bwd": chunk_bwd.state_bwd_kernel,
+        "local_bwd": chunk_bwd.local_bwd_kernel,
+        "wy_bwd": chunk_bwd.wy_bwd_kernel,
+        "intra_bwd": chunk_bwd.intra_bwd_kernel,
+        "recurrent": recurrent._recurrent_kda_fwd,
     }
 
 
 def constexprs(D: int) -> dict:
     """One value per constexpr parameter name used by the kernels (every optional path on)."""
-    return dict(H=32, K=D, V=D, BT=64, BC=16, BK=D, BKB=INNER_BLOCK, BV=32, L2NORM=True, BETA_SIGMOID=True, GATE=True, HAS_BIAS=True,
-                INVERT=True, USE_H0=True, STORE_HT=True, USE_DHT=True, STORE_DH0=True, VARLEN=True)
+    return dict(
+        H=32,
+        K=D,
+        V=D,
+        BT=64,
+        BC=16,
+        BK=D,
+        BKB=INNER_BLOCK,
+        BV=32,
+        L2NORM=True,
+        BETA_SIGMOID=True,
+        GATE=True,
+        HAS_BIAS=True,
+        INVERT=True,
+        USE_H0=True,
+        STORE_HT=True,
+        USE_DHT=True,
+        STORE_DH0=True,
+        VARLEN=True,
+    )
 
 
 def compile_kernel(kernel, D: int, dtype: str, arch: int, num_warps: int = 4, num_stages: int = 2):
@@ -59,7 +85,9 @@ def compile_kernel(kernel, D: int, dtype: str, arch: int, num_warps: int = 4, nu
         else:
             sig[name] = f"*{dtype}" if name in _INPUT_DTYPE else "*fp32"
     src = ASTSource(fn=fn, signature=sig, constexprs=consts)
-    return triton_compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages})
+    return triton_compile(
+        src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps, "num_stages": num_stages}
+    )
 
 
 def resource_usage(cubin: bytes) -> dict:
@@ -95,7 +123,10 @@ def main(argv=None):
                 continue
             for warps in args.warps:
                 usage = resource_usage(compile_kernel(kernel, args.D, dtype, args.arch, warps).asm["cubin"])
-                print(f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |", flush=True)
+                print(
+                    f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -18,10 +18,33 @@ from .common import configs, softplus
 
 @triton.autotune(configs=configs({"BV": (16, 32, 64)}, {"BV": 32}), key=["K", "V", "L2NORM"])
 @triton.jit
-def _recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, scale, T,
-                       H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                       USE_H0: tl.constexpr, STORE_HT: tl.constexpr, VARLEN: tl.constexpr, L2NORM: tl.constexpr,
-                       GATE: tl.constexpr, HAS_BIAS: tl.constexpr, BETA_SIGMOID: tl.constexpr):
+def _recurrent_kda_fwd(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    A_log,
+    dt_bias,
+    o,
+    h0,
+    ht,
+    cu_seqlens,
+    scale,
+    T,
+    H: tl.constexpr,
+    K: tl.constexpr,
+    V: tl.constexpr,
+    BK: tl.constexpr,
+    BV: tl.constexpr,
+    USE_H0: tl.constexpr,
+    STORE_HT: tl.constexpr,
+    VARLEN: tl.constexpr,
+    L2NORM: tl.constexpr,
+    GATE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BETA_SIGMOID: tl.constexpr,
+):
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     if VARLEN:
@@ -67,8 +90,21 @@ def _recurrent_kda_fwd(q, k, v, g, beta, A_log, dt_bias, o, h0, ht, cu_seqlens, 
         tl.store(ht + p_state, S, mask=m_kv)
 
 
-def recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False,
-                  A_log=None, dt_bias=None, use_beta_sigmoid=False):
+def recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid=False,
+):
     """Same contract as kimi_hf.ops.recurrent_kda's implementations (inputs already checked):
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32 or None.
     With A_log, g is the raw forget input f (dt_bias [H * K] or None); with use_beta_sigmoid, beta
@@ -83,8 +119,29 @@ def recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     grid = lambda meta: (triton.cdiv(V, meta["BV"]), N * H)  # noqa: E731
     _recurrent_kda_fwd[grid](
-        q, k, v, g, beta, A_log, None if dt_bias is None else dt_bias.contiguous(), o, h0, ht, cu_seqlens, scale, T,
-        H=H, K=K, V=V, BK=triton.next_power_of_2(K), USE_H0=h0 is not None, STORE_HT=ht is not None,
-        VARLEN=cu_seqlens is not None, L2NORM=use_qk_l2norm, GATE=A_log is not None, HAS_BIAS=dt_bias is not None,
-        BETA_SIGMOID=use_beta_sigmoid)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        A_log,
+        None if dt_bias is None else dt_bias.contiguous(),
+        o,
+        h0,
+        ht,
+        cu_seqlens,
+        scale,
+        T,
+        H=H,
+        K=K,
+        V=V,
+        BK=triton.next_power_of_2(K),
+        USE_H0=h0 is not None,
+        STORE_HT=ht is not None,
+        VARLEN=cu_seqlens is not None,
+        L2NORM=use_qk_l2norm,
+        GATE=A_log is not None,
+        HAS_BIAS=dt_bias is not None,
+        BETA_SIGMOID=use_beta_sigmoid,
+    )
     return o, ht

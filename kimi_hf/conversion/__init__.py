@@ -6,10 +6,17 @@ torch (`kimi-hf convert NAME --help` answers at once)."""
 
 import importlib
 
-_EXPORTS = {"CheckpointReader": (".checkpoint", "CheckpointReader"), "ShardedWriter": (".checkpoint", "ShardedWriter"),
-            "parse_size": (".checkpoint", "parse_size"), "peak_rss_mb": (".checkpoint", "peak_rss_mb"),
-            "convert_kimi_linear": (".kimi_linear", "convert"), "verify_kimi_linear": (".kimi_linear", "verify"),
-            "tiktoken_to_fast": (".tokenizer", "tiktoken_to_fast"), "convert_tokenizer_dir": (".tokenizer", "convert_tokenizer_dir")}
+
+_EXPORTS = {
+    "CheckpointReader": (".checkpoint", "CheckpointReader"),
+    "ShardedWriter": (".checkpoint", "ShardedWriter"),
+    "parse_size": (".checkpoint", "parse_size"),
+    "peak_rss_mb": (".checkpoint", "peak_rss_mb"),
+    "convert_kimi_linear": (".kimi_linear", "convert"),
+    "verify_kimi_linear": (".kimi_linear", "verify"),
+    "tiktoken_to_fast": (".tokenizer", "tiktoken_to_fast"),
+    "convert_tokenizer_dir": (".tokenizer", "convert_tokenizer_dir"),
+}
 __all__ = list(_EXPORTS)
 
 

@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 
 from ..models.kimi_hybrid.hub_kimi_hybrid import make_temp_dir, set_normal_mode
 
+
 INDEX = "model.safetensors.index.json"
 
 

@@ -6,6 +6,7 @@ import argparse
 
 from ..cli import ArgumentParser
 
+
 KIMI_LINEAR_DOC = """Convert Kimi Linear checkpoints between Moonshot's / transformers' `kimi_linear` naming and kimi_hf's.
 
     kimi-hf convert kimi-linear SRC_DIR DST_DIR [--dtype bfloat16] [--max-shard-size 5GB] [--verify]
@@ -57,8 +58,12 @@ def kimi_linear_parser(prog: str | None = None) -> ArgumentParser:
     p = ArgumentParser(prog=prog, description=KIMI_LINEAR_DOC, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("src", help="checkpoint directory (config.json + safetensors, sharded or not)")
     p.add_argument("dst", help="output directory (must not exist)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
-                   help="cast floating tensors (A_log, dt_bias and the router bias stay as they are)")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default=None,
+        help="cast floating tensors (A_log, dt_bias and the router bias stay as they are)",
+    )
     p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--verify", action="store_true", help="compare the logits of SRC and the result")
     p.add_argument("--verify-layers", type=int, default=2, help="decoder layers to load for --verify (0: all)")
@@ -71,10 +76,13 @@ def kimi_linear_main(argv=None, prog: str | None = None) -> dict:
     args = kimi_linear_parser(prog).parse_args(argv)
     from . import convert_kimi_linear, verify_kimi_linear
 
-    summary = convert_kimi_linear(args.src, args.dst, _dtype(args.dtype), args.max_shard_size,
-                                  show_progress=not args.no_progress)
-    print(f"wrote a {summary['model_type']} checkpoint to {args.dst}: {summary['tensors']} tensors in {summary['shards']} "
-          f"shard(s); peak memory {summary['peak_rss_mb']:.0f} MB (largest tensor {summary['largest_tensor_mb']:.1f} MB)")
+    summary = convert_kimi_linear(
+        args.src, args.dst, _dtype(args.dtype), args.max_shard_size, show_progress=not args.no_progress
+    )
+    print(
+        f"wrote a {summary['model_type']} checkpoint to {args.dst}: {summary['tensors']} tensors in {summary['shards']} "
+        f"shard(s); peak memory {summary['peak_rss_mb']:.0f} MB (largest tensor {summary['largest_tensor_mb']:.1f} MB)"
+    )
     if args.verify:
         summary["rel_max_diff"] = verify_kimi_linear(args.src, args.dst, args.verify_layers)
         print(f"verified: logits agree to {summary['rel_max_diff']:.1e} (relative max difference)")
@@ -86,8 +94,12 @@ def k25_vision_parser(prog: str | None = None) -> ArgumentParser:
     p.add_argument("text", help="text checkpoint directory")
     p.add_argument("k25", help="Kimi K2.5 checkpoint directory")
     p.add_argument("dst", help="output directory (must not exist)")
-    p.add_argument("--image-token-id", type=int, default=None,
-                   help="the image placeholder id (default: the tokenizer's <|media_pad|>)")
+    p.add_argument(
+        "--image-token-id",
+        type=int,
+        default=None,
+        help="the image placeholder id (default: the tokenizer's <|media_pad|>)",
+    )
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="cast floating tensors")
     p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -99,8 +111,17 @@ def k25_vision_main(argv=None, prog: str | None = None) -> dict:
     args = k25_vision_parser(prog).parse_args(argv)
     from .k25_vision import assemble
 
-    summary = assemble(args.text, args.k25, args.dst, args.image_token_id, _dtype(args.dtype), args.max_shard_size,
-                       show_progress=not args.no_progress)
-    print(f"wrote {args.dst}: {summary['tensors']} tensors in {summary['shards']} shard(s), image token id "
-          f"{summary['image_token_id']}; peak memory {summary['peak_rss_mb']:.0f} MB")
+    summary = assemble(
+        args.text,
+        args.k25,
+        args.dst,
+        args.image_token_id,
+        _dtype(args.dtype),
+        args.max_shard_size,
+        show_progress=not args.no_progress,
+    )
+    print(
+        f"wrote {args.dst}: {summary['tensors']} tensors in {summary['shards']} shard(s), image token id "
+        f"{summary['image_token_id']}; peak memory {summary['peak_rss_mb']:.0f} MB"
+    )
     return summary

@@ -24,13 +24,21 @@ import torch
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
 from .tokenizer import convert_tokenizer_dir
 
+
 OURS, NATIVE = "kimi_hybrid_text", "kimi_linear"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _KEEP_FP32 = (".A_log", ".dt_bias", "e_score_correction_bias")  # gates and the router bias keep their precision
 _NATIVE_RENAMES = {"num_local_experts": "num_experts"}
-EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-               "chat_template.jinja", "tiktoken.model", "tokenization_kimi.py")
+EXTRA_FILES = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tiktoken.model",
+    "tokenization_kimi.py",
+)
 
 
 def _normalize(name: str) -> str:
@@ -54,8 +62,9 @@ def native_to_ours(tensors, num_heads: int, num_experts: int | None = None):
             continue
         if name.endswith(".self_attn.A_log"):
             if t.numel() != num_heads:
-                raise ValueError(f"tensor {source} has shape {tuple(t.shape)}: expected {num_heads} values (one "
-                                 "per head)")
+                raise ValueError(
+                    f"tensor {source} has shape {tuple(t.shape)}: expected {num_heads} values (one per head)"
+                )
             yield name, t.reshape(num_heads)
         elif name.endswith(".self_attn.conv1d.weight"):  # transformers' in-memory layout: q, k, v stacked
             if t.shape[0] % 3:
@@ -72,14 +81,16 @@ def native_to_ours(tensors, num_heads: int, num_experts: int | None = None):
         for e in range(E):
             for w in ("w1", "w2", "w3"):
                 if (e, w) not in parts:
-                    raise ValueError(f"tensor {_expert_name(spelled[prefix], e, w)} is missing (experts must come "
-                                     "complete)")
+                    raise ValueError(
+                        f"tensor {_expert_name(spelled[prefix], e, w)} is missing (experts must come complete)"
+                    )
         try:
             gate_up = torch.stack([torch.cat([parts[(e, "w1")], parts[(e, "w3")]]) for e in range(E)])
             down = torch.stack([parts[(e, "w2")] for e in range(E)])
         except RuntimeError as err:  # experts of different shapes (`convert` checks each one first)
-            raise ValueError(f"the experts {_expert_name(spelled[prefix], '*', 'w*')} differ in shape: "
-                             f"{err}") from None
+            raise ValueError(
+                f"the experts {_expert_name(spelled[prefix], '*', 'w*')} differ in shape: {err}"
+            ) from None
         yield f"{prefix}.gate_up_proj", gate_up
         yield f"{prefix}.down_proj", down
 
@@ -157,8 +168,10 @@ def convert_config(cfg: dict) -> dict:
                 out[a] = out.pop(b)
         out["architectures"] = ["KimiLinearForCausalLM"]
         return out
-    raise ValueError(f"config.json has model_type {cfg.get('model_type')!r}: not a Kimi Linear checkpoint "
-                     f"(expected {NATIVE!r} or {OURS!r})")
+    raise ValueError(
+        f"config.json has model_type {cfg.get('model_type')!r}: not a Kimi Linear checkpoint "
+        f"(expected {NATIVE!r} or {OURS!r})"
+    )
 
 
 def expected_shapes(our_config: dict) -> dict[str, tuple[int, ...]]:
@@ -183,8 +196,9 @@ def _groups(names: list[str]) -> list[list[str]]:
     return [by_layer[k] for k in sorted(by_layer)]
 
 
-def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size: int = 5 << 30,
-            show_progress: bool = True) -> dict:
+def convert(
+    src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size: int = 5 << 30, show_progress: bool = True
+) -> dict:
     """Converts checkpoint directory src into dst (must not exist), streaming. Returns a summary
     {"model_type", "shards", "tensors", "peak_rss_mb", "largest_tensor_mb"}."""
     cfg = read_config(src)
@@ -199,8 +213,11 @@ def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size
         for names in progress(groups, len(groups), "converting", show_progress):
             # checked as the checkpoint spells them, before any renaming: errors name the user's tensor
             checked = check_source(((n, reader.get(n)) for n in names), expected, reader, native=to_ours)
-            out = (native_to_ours(checked, ours_cfg["linear_num_heads"], ours_cfg["num_experts"]) if to_ours
-                   else ours_to_native(checked))
+            out = (
+                native_to_ours(checked, ours_cfg["linear_num_heads"], ours_cfg["num_experts"])
+                if to_ours
+                else ours_to_native(checked)
+            )
             for name, t in out:
                 t = cast(name, t, dtype)
                 largest = max(largest, t.numel() * t.element_size())
@@ -211,8 +228,14 @@ def convert(src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size
         writer.write_json("config.json", new_cfg)
         fast_tokenizer = copy_side_files(src, writer, new_cfg)
         shards = writer.finish()
-    return {"model_type": new_cfg["model_type"], "shards": len(shards), "tensors": len(writer.seen),
-            "peak_rss_mb": peak_rss_mb(), "largest_tensor_mb": largest / 2**20, "fast_tokenizer": fast_tokenizer}
+    return {
+        "model_type": new_cfg["model_type"],
+        "shards": len(shards),
+        "tensors": len(writer.seen),
+        "peak_rss_mb": peak_rss_mb(),
+        "largest_tensor_mb": largest / 2**20,
+        "fast_tokenizer": fast_tokenizer,
+    }
 
 
 def _source_shapes(name: str, expected: dict, native: bool) -> list[tuple[int, ...]]:
@@ -245,17 +268,22 @@ def check_source(tensors, expected: dict, reader: CheckpointReader, native: bool
         shapes = _source_shapes(name, expected, native)
         where = f"{name} (in {os.path.join(reader.path, reader.file_of(name))})"
         if not shapes:
-            raise ValueError(f"unknown tensor {where}: not part of this Kimi Linear config; a checkpoint of "
-                             "another architecture or a mismatched config.json?")
+            raise ValueError(
+                f"unknown tensor {where}: not part of this Kimi Linear config; a checkpoint of "
+                "another architecture or a mismatched config.json?"
+            )
         if tuple(t.shape) not in shapes:
-            raise ValueError(f"tensor {where} has shape {tuple(t.shape)}, the config implies "
-                             f"{' or '.join(map(str, shapes))}")
+            raise ValueError(
+                f"tensor {where} has shape {tuple(t.shape)}, the config implies {' or '.join(map(str, shapes))}"
+            )
         ours = _normalize(name) if native else name
         stacked = ours.endswith(".self_attn.conv1d.weight")
         for target in [ours.replace("conv1d", f"{p}_conv1d") for p in "qkv"] if stacked else [ours]:
             if target in claimed:
-                raise ValueError(f"tensors {claimed[target]} and {where} are the same tensor in two namings: "
-                                 "a checkpoint that mixes namings?")
+                raise ValueError(
+                    f"tensors {claimed[target]} and {where} are the same tensor in two namings: "
+                    "a checkpoint that mixes namings?"
+                )
             claimed[target] = where
         yield name, t
 
@@ -265,17 +293,23 @@ def source_spelling(name: str, expected: dict, source_names: list[str]) -> list[
     block_sparse_moe and per-expert w1/w2/w3, or transformers' in-memory layout)."""
     moe = ".block_sparse_moe." if any(".block_sparse_moe." in n for n in source_names) else ".mlp."
     if name.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")) and not any(
-            n.endswith(".experts.gate_up_proj") for n in source_names):
+        n.endswith(".experts.gate_up_proj") for n in source_names
+    ):
         prefix, kind = name.rsplit(".", 1)
         prefix = prefix.replace(".mlp.", moe)
-        return [f"{prefix}.{e}.{w}.weight" for e in range(expected[name][0])
-                for w in (("w1", "w3") if kind == "gate_up_proj" else ("w2",))]
+        return [
+            f"{prefix}.{e}.{w}.weight"
+            for e in range(expected[name][0])
+            for w in (("w1", "w3") if kind == "gate_up_proj" else ("w2",))
+        ]
     name = name.replace(".mlp.", moe)
     if re.search(r"\.self_attn\.(f_a_proj|f_b_proj|dt_bias|A_log)\b", name) and any(
-            ".self_attn.forget_gate." in n for n in source_names):
+        ".self_attn.forget_gate." in n for n in source_names
+    ):
         name = name.replace(".self_attn.", ".self_attn.forget_gate.")
     if re.search(r"\.self_attn\.[qkv]_conv1d\.", name) and any(
-            n.endswith(".self_attn.conv1d.weight") for n in source_names):
+        n.endswith(".self_attn.conv1d.weight") for n in source_names
+    ):
         name = re.sub(r"[qkv]_conv1d", "conv1d", name)
     return [name]
 
@@ -297,7 +331,7 @@ def _seen_ours(written: set[str], to_ours: bool) -> set[str]:
         return written
     out = set()
     for n in written:
-        if (m := re.match(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.\d+\.(w1|w3|w2)\.weight$", n)):
+        if m := re.match(r"^(model\.layers\.\d+)\.block_sparse_moe\.experts\.\d+\.(w1|w3|w2)\.weight$", n):
             out.add(f"{m.group(1)}.mlp.experts.{'down_proj' if m.group(2) == 'w2' else 'gate_up_proj'}")
         else:
             out.add(n)
@@ -318,5 +352,14 @@ def verify(src: str, dst: str, layers: int = 2, atol: float = 1e-3) -> float:
     return diff
 
 
-__all__ = ["convert", "verify", "convert_config", "native_to_ours", "ours_to_native", "expected_shapes",
-           "check_source", "check_complete", "source_spelling"]
+__all__ = [
+    "convert",
+    "verify",
+    "convert_config",
+    "native_to_ours",
+    "ours_to_native",
+    "expected_shapes",
+    "check_source",
+    "check_complete",
+    "source_spelling",
+]

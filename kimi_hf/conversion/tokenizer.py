@@ -18,23 +18,28 @@ import os
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)
-KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 RESERVED = 256
 
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization emits)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    keep = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in keep:
@@ -62,8 +67,9 @@ def read_tiktoken(path: str) -> dict[bytes, int]:
     return ranks
 
 
-def tiktoken_to_fast(model_file: str, config_file: str | None = None, pattern: str = KIMI_PATTERN,
-                     chat_template: str | None = None) -> PreTrainedTokenizerFast:
+def tiktoken_to_fast(
+    model_file: str, config_file: str | None = None, pattern: str = KIMI_PATTERN, chat_template: str | None = None
+) -> PreTrainedTokenizerFast:
     ranks = read_tiktoken(model_file)
     to_char = _byte_to_unicode()
     text = lambda b: "".join(to_char[x] for x in b)  # noqa: E731
@@ -75,10 +81,12 @@ def tiktoken_to_fast(model_file: str, config_file: str | None = None, pattern: s
     merges.sort()
     bpe = models.BPE(vocab, [(text(a), text(b)) for *_, a, b in merges], fuse_unk=False, ignore_merges=True)
     tok = Tokenizer(bpe)
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
     config = {}
     if config_file is not None and os.path.exists(config_file):
@@ -87,12 +95,17 @@ def tiktoken_to_fast(model_file: str, config_file: str | None = None, pattern: s
     named = {int(k): v["content"] for k, v in (config.get("added_tokens_decoder") or {}).items()}
     n = len(ranks)
     specials = [named.get(i, f"<|reserved_token_{i}|>") for i in range(n, n + RESERVED)]
-    kwargs = {key: config[key] for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-              if isinstance(config.get(key), str) and config[key] in specials}
+    kwargs = {
+        key: config[key]
+        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        if isinstance(config.get(key), str) and config[key] in specials
+    }
     # generation continues each row's right edge: batched pipelines use the saved padding side
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side=config.get("padding_side", "left"), **kwargs)
-    fast.add_special_tokens({"additional_special_tokens": [s for s in specials if s not in kwargs.values()]},
-                            replace_extra_special_tokens=False)
+    fast.add_special_tokens(
+        {"additional_special_tokens": [s for s in specials if s not in kwargs.values()]},
+        replace_extra_special_tokens=False,
+    )
     if fast.convert_tokens_to_ids(specials[0]) != n:
         raise ValueError(f"special tokens did not land at ids {n}.. (got {fast.convert_tokens_to_ids(specials[0])})")
     fast.chat_template = chat_template or config.get("chat_template")

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+
 if not torch.cuda.is_available():
     sys.modules["fla"] = None
 
@@ -47,13 +48,16 @@ def truncated(cfg: dict, layers: int) -> dict:
 
 
 def load(path: str, layers: int):
-    import kimi_hf  # noqa: F401  (registers our classes)
     from transformers import AutoConfig, AutoModelForCausalLM
+
+    import kimi_hf  # noqa: F401  (registers our classes)
 
     with open(f"{path}/config.json") as f:
         cfg = truncated(json.load(f), layers)
     config_cls = type(AutoConfig.for_model(cfg["model_type"]))
-    config = config_cls(**{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")})
+    config = config_cls(
+        **{k: v for k, v in cfg.items() if k not in ("model_type", "architectures", "transformers_version")}
+    )
     return AutoModelForCausalLM.from_pretrained(path, config=config, dtype=torch.float32).eval(), config
 
 
@@ -64,8 +68,14 @@ def main():
     ids = torch.randint(3, config.vocab_size, (1, 48), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         la, lb = a(ids).logits, b(ids).logits
-    print(json.dumps({"rel_max_diff": ((la - lb).abs().max() / la.abs().max().clamp_min(1e-30)).item(),
-                      "layers": config.num_hidden_layers}))
+    print(
+        json.dumps(
+            {
+                "rel_max_diff": ((la - lb).abs().max() / la.abs().max().clamp_min(1e-30)).item(),
+                "layers": config.num_hidden_layers,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -19,9 +19,11 @@ all-gathered once, orthogonalised whole, and each rank keeps its rows.
 from __future__ import annotations
 
 import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
 
 try:
     from torch.distributed.tensor import DTensor
@@ -33,8 +35,9 @@ except ImportError:  # pragma: no cover
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 
 
-def zeropower_via_newtonschulz5(G: torch.Tensor, steps: int = 5, eps: float = 1e-7,
-                                coefficients=NS_COEFFICIENTS, dtype: torch.dtype | None = None) -> torch.Tensor:
+def zeropower_via_newtonschulz5(
+    G: torch.Tensor, steps: int = 5, eps: float = 1e-7, coefficients=NS_COEFFICIENTS, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Approximate U V^T of G [..., A, B] (batched over leading dims) with the quintic Newton-Schulz
     iteration. Runs in `dtype` (default: bf16 on CUDA, fp32 elsewhere: CPUs have no fast bf16 matmul)."""
     if G.ndim < 2:
@@ -75,18 +78,43 @@ class MuonClip(torch.optim.Optimizer):
         qk_clip_tau: QK-Clip threshold (needs the model; None: no clipping).
     """
 
-    def __init__(self, params, lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
-                 weight_decay: float = 0.1, adamw_betas=(0.9, 0.95), adamw_eps: float = 1e-8, *,
-                 ns_dtype: torch.dtype | None = None, model: nn.Module | None = None, qk_clip_tau: float | None = None):
-        for name, value, ok in (("lr", lr, lr >= 0), ("momentum", momentum, 0 <= momentum < 1),
-                                ("weight_decay", weight_decay, weight_decay >= 0), ("ns_steps", ns_steps, ns_steps >= 1),
-                                ("adamw_eps", adamw_eps, adamw_eps > 0)):
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        ns_steps: int = 5,
+        weight_decay: float = 0.1,
+        adamw_betas=(0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        *,
+        ns_dtype: torch.dtype | None = None,
+        model: nn.Module | None = None,
+        qk_clip_tau: float | None = None,
+    ):
+        for name, value, ok in (
+            ("lr", lr, lr >= 0),
+            ("momentum", momentum, 0 <= momentum < 1),
+            ("weight_decay", weight_decay, weight_decay >= 0),
+            ("ns_steps", ns_steps, ns_steps >= 1),
+            ("adamw_eps", adamw_eps, adamw_eps > 0),
+        ):
             if not ok:
                 raise ValueError(f"invalid {name}: {value!r}")
         if len(adamw_betas) != 2 or not all(0 <= b < 1 for b in adamw_betas):
             raise ValueError(f"invalid adamw_betas: {adamw_betas!r}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, weight_decay=weight_decay,
-                        adamw_betas=tuple(adamw_betas), adamw_eps=adamw_eps, use_muon=False, ns_dtype=ns_dtype)
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            nesterov=nesterov,
+            ns_steps=ns_steps,
+            weight_decay=weight_decay,
+            adamw_betas=tuple(adamw_betas),
+            adamw_eps=adamw_eps,
+            use_muon=False,
+            ns_dtype=ns_dtype,
+        )
         if isinstance(params, nn.Module):  # a model (also how Trainer passes `model=` from optimizer kwargs)
             model, params = params, role_groups(params)
         elif model is not None:
@@ -96,8 +124,10 @@ class MuonClip(torch.optim.Optimizer):
             if group["use_muon"]:
                 for p in group["params"]:
                     if p.ndim not in (2, 3):
-                        raise ValueError(f"param_groups[{i}] has use_muon=True but holds a tensor of shape "
-                                         f"{tuple(p.shape)}: Muon takes matrices [A, B] or batches [E, A, B]")
+                        raise ValueError(
+                            f"param_groups[{i}] has use_muon=True but holds a tensor of shape "
+                            f"{tuple(p.shape)}: Muon takes matrices [A, B] or batches [E, A, B]"
+                        )
         self.qk_clip, self.ns_matrices = None, 0
         if qk_clip_tau is not None:
             if model is None:
@@ -107,8 +137,9 @@ class MuonClip(torch.optim.Optimizer):
             self.qk_clip = QKClip(model, tau=qk_clip_tau)
 
     @classmethod
-    def from_model(cls, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1,
-                   qk_clip_tau: float | None = 100.0, **kwargs) -> "MuonClip":
+    def from_model(
+        cls, model: nn.Module, lr: float = 1e-3, weight_decay: float = 0.1, qk_clip_tau: float | None = 100.0, **kwargs
+    ) -> "MuonClip":
         """Splits `model`'s trainable parameters by role (see `split_params`; no weight decay on
         vectors: norms, biases, A_log, dt_bias) and attaches QK-Clip to every softmax-attention module
         it knows (tau=None: no clipping)."""
@@ -271,9 +302,11 @@ def role_groups(model: nn.Module) -> list[dict]:
     """Parameter groups of a model by role: Muon matrices; AdamW matrices (embeddings, head,
     routers, convs); AdamW vectors (norms, biases, A_log, dt_bias) without weight decay."""
     muon, adamw = split_params(model)
-    groups = [{"params": muon, "use_muon": True},
-              {"params": [p for p in adamw if p.ndim >= 2], "use_muon": False},
-              {"params": [p for p in adamw if p.ndim < 2], "use_muon": False, "weight_decay": 0.0}]
+    groups = [
+        {"params": muon, "use_muon": True},
+        {"params": [p for p in adamw if p.ndim >= 2], "use_muon": False},
+        {"params": [p for p in adamw if p.ndim < 2], "use_muon": False, "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 

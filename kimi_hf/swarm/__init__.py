@@ -7,7 +7,30 @@ from .runtime import Swarm, SwarmConfig, SwarmResult, arun_single_agent, run_sin
 from .tools import ORCHESTRATOR_TOOLS, Tool, ToolCall, as_tools, format_tool_calls, parse_tool_calls
 from .trace import Trace, swarm_metrics
 
-__all__ = ["Backend", "BackendError", "Completion", "OpenAIBackend", "ScriptedBackend", "TransformersBackend",
-           "ParlRewards", "SwarmRollout", "annealed", "r_finish", "r_parallel", "Swarm", "SwarmConfig", "SwarmResult",
-           "arun_single_agent", "run_single_agent", "ORCHESTRATOR_TOOLS", "Tool", "ToolCall", "as_tools",
-           "format_tool_calls", "parse_tool_calls", "Trace", "swarm_metrics"]
+
+__all__ = [
+    "Backend",
+    "BackendError",
+    "Completion",
+    "OpenAIBackend",
+    "ScriptedBackend",
+    "TransformersBackend",
+    "ParlRewards",
+    "SwarmRollout",
+    "annealed",
+    "r_finish",
+    "r_parallel",
+    "Swarm",
+    "SwarmConfig",
+    "SwarmResult",
+    "arun_single_agent",
+    "run_single_agent",
+    "ORCHESTRATOR_TOOLS",
+    "Tool",
+    "ToolCall",
+    "as_tools",
+    "format_tool_calls",
+    "parse_tool_calls",
+    "Trace",
+    "swarm_metrics",
+]

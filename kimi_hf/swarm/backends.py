@@ -27,6 +27,7 @@ class BackendError(RuntimeError):
 @dataclass
 class Completion:
     """One model turn: `content` without tool-call markup, the parsed calls, token counts, raw text."""
+
     content: str
     tool_calls: list[ToolCall] = field(default_factory=list)
     prompt_tokens: int = 0
@@ -68,6 +69,7 @@ class ScriptedBackend(Backend):
                     return next(responses)
                 except StopIteration:
                     raise BackendError("the scripted responses are used up") from None
+
         self._policy = policy
         self.latency = latency
         self.calls = 0
@@ -99,8 +101,15 @@ class TransformersBackend(Backend):
     one `generate` call on a worker thread, at most `max_batch_size` at a time. Greedy by default;
     `generation_kwargs` go to generate (e.g. do_sample=True, temperature=0.7)."""
 
-    def __init__(self, model, tokenizer, max_new_tokens: int = 256, max_batch_size: int = 8,
-                 batch_window: float = 0.005, **generation_kwargs):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_new_tokens: int = 256,
+        max_batch_size: int = 8,
+        batch_window: float = 0.005,
+        **generation_kwargs,
+    ):
         if tokenizer.chat_template is None:
             raise ValueError("tokenizer has no chat_template: the backend renders messages and tools with it")
         if max_batch_size < 1:
@@ -114,7 +123,9 @@ class TransformersBackend(Backend):
         self._lock = threading.Lock()  # one generate at a time, whichever event loop asks
 
     def render(self, messages, tools=None) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+        )
 
     async def complete(self, messages, tools=None) -> Completion:
         loop = asyncio.get_running_loop()
@@ -157,14 +168,18 @@ class TransformersBackend(Backend):
             enc = tok(prompts, return_tensors="pt", padding=True, padding_side="left", add_special_tokens=False)
             enc = {k: v.to(self.model.device) for k, v in enc.items()}
             self.batch_sizes.append(len(prompts))
-            kwargs = {"max_new_tokens": self.max_new_tokens, "do_sample": False, "eos_token_id": self.stop_ids,
-                      "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else self.stop_ids[0]}
+            kwargs = {
+                "max_new_tokens": self.max_new_tokens,
+                "do_sample": False,
+                "eos_token_id": self.stop_ids,
+                "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else self.stop_ids[0],
+            }
             out = self.model.generate(**enc, **{**kwargs, **self.generation_kwargs})
         width = enc["input_ids"].shape[1]
         results = []
         for row, mask in zip(out[:, width:].tolist(), enc["attention_mask"].sum(-1).tolist()):
             ends = [i for i, t in enumerate(row) if t in self.stop_ids]
-            new = row[:ends[0]] if ends else row
+            new = row[: ends[0]] if ends else row
             results.append((tok.decode(new, skip_special_tokens=False), mask, len(new) + bool(ends)))
         return results
 
@@ -174,8 +189,17 @@ class OpenAIBackend(Backend):
     At most `max_connections` requests in flight; each has `timeout` seconds. Tool calls come from the
     reply's `tool_calls`, or from the content's markup when the server does not parse them."""
 
-    def __init__(self, base_url: str, model: str, api_key: str | None = None, max_tokens: int = 256,
-                 temperature: float = 0.0, timeout: float = 60.0, max_connections: int = 8, **extra_body):
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None = None,
+        max_tokens: int = 256,
+        temperature: float = 0.0,
+        timeout: float = 60.0,
+        max_connections: int = 8,
+        **extra_body,
+    ):
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         if max_connections < 1:
@@ -191,9 +215,21 @@ class OpenAIBackend(Backend):
     def _wire_message(m: dict) -> dict:
         """Tool-call arguments travel as JSON strings in the OpenAI format."""
         if m.get("tool_calls"):
-            m = {**m, "tool_calls": [{**c, "function": {**c["function"], "arguments": c["function"]["arguments"]
-                                      if isinstance(c["function"]["arguments"], str) else json.dumps(c["function"]["arguments"])}}
-                                     for c in m["tool_calls"]]}
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            **c["function"],
+                            "arguments": c["function"]["arguments"]
+                            if isinstance(c["function"]["arguments"], str)
+                            else json.dumps(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in m["tool_calls"]
+                ],
+            }
         return m
 
     def _post(self, payload: dict) -> dict:
@@ -214,8 +250,14 @@ class OpenAIBackend(Backend):
     async def complete(self, messages, tools=None) -> Completion:
         loop = asyncio.get_running_loop()
         semaphore = self._semaphores.setdefault(loop, asyncio.Semaphore(self.max_connections))
-        payload = {"model": self.model, "messages": [self._wire_message(m) for m in messages],
-                   "max_tokens": self.max_tokens, "temperature": self.temperature, "stream": False, **self.extra_body}
+        payload = {
+            "model": self.model,
+            "messages": [self._wire_message(m) for m in messages],
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "stream": False,
+            **self.extra_body,
+        }
         if tools:
             payload["tools"] = tools
         async with semaphore:
@@ -241,7 +283,9 @@ class OpenAIBackend(Backend):
         if not calls:
             content, calls = parse_tool_calls(text)
         usage = reply.get("usage") or {}
-        return Completion(content.strip(), calls, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), text)
+        return Completion(
+            content.strip(), calls, usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0), text
+        )
 
 
 __all__ = ["Backend", "BackendError", "Completion", "ScriptedBackend", "TransformersBackend", "OpenAIBackend"]

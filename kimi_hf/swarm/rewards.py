@@ -58,7 +58,9 @@ def _text(x) -> str:
         text = message.get("content") or ""
         if not isinstance(text, str):
             text = " ".join(p.get("text", "") for p in text if isinstance(p, dict))
-        calls = [(c.get("function", c)["name"], c.get("function", c)["arguments"]) for c in message.get("tool_calls") or []]
+        calls = [
+            (c.get("function", c)["name"], c.get("function", c)["arguments"]) for c in message.get("tool_calls") or []
+        ]
         return format_tool_calls(calls, text)
     raise TypeError(f"expected a string or a list of messages, got {type(x).__name__}")
 
@@ -80,9 +82,17 @@ class ParlRewards:
     """Three GRPOTrainer reward functions sharing one episode per completion:
     `GRPOTrainer(..., reward_funcs=ParlRewards(...).reward_funcs)`."""
 
-    def __init__(self, rollout: Callable | None = None, perf_fn: Callable | None = None, lambda1: float = 0.3,
-                 lambda2: float = 0.3, anneal_fraction: float = 0.5, target_width: int = 4,
-                 trace_column: str = "swarm_trace", cache_size: int = 4096):
+    def __init__(
+        self,
+        rollout: Callable | None = None,
+        perf_fn: Callable | None = None,
+        lambda1: float = 0.3,
+        lambda2: float = 0.3,
+        anneal_fraction: float = 0.5,
+        target_width: int = 4,
+        trace_column: str = "swarm_trace",
+        cache_size: int = 4096,
+    ):
         if rollout is not None and not callable(rollout):
             raise TypeError("rollout must be callable: rollout(prompt, completion) -> SwarmResult or trace events")
         if perf_fn is not None and not callable(perf_fn):
@@ -127,8 +137,10 @@ class ParlRewards:
 
     def r_parallel(self, prompts, completions, trainer_state=None, **columns) -> list[float]:
         weight = annealed(self.lambda1, trainer_state, self.anneal_fraction)
-        return [weight * r_parallel(self._episode(i, prompts, completions, columns)[0], self.target_width)
-                for i in range(len(completions))]
+        return [
+            weight * r_parallel(self._episode(i, prompts, completions, columns)[0], self.target_width)
+            for i in range(len(completions))
+        ]
 
     def r_finish(self, prompts, completions, trainer_state=None, **columns) -> list[float]:
         weight = annealed(self.lambda2, trainer_state, self.anneal_fraction)

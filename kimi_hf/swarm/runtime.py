@@ -23,17 +23,22 @@ from .backends import Backend, Completion
 from .tools import ORCHESTRATOR_TOOLS, Tool, ToolCall, as_tools
 from .trace import Trace, swarm_metrics
 
+
 ORCHESTRATOR_PROMPT = (
     "You are the orchestrator. Split the task into independent sub-tasks, create sub-agents with "
     "create_subagent and give each a sub-task with assign_task; tasks assigned in the same turn run in "
-    "parallel and you receive each sub-agent's final answer. When you can answer, reply without tool calls.")
-SUBAGENT_PROMPT = "You are a sub-agent. Solve the task you are given with the tools you have, then reply with the answer only."
+    "parallel and you receive each sub-agent's final answer. When you can answer, reply without tool calls."
+)
+SUBAGENT_PROMPT = (
+    "You are a sub-agent. Solve the task you are given with the tools you have, then reply with the answer only."
+)
 AGENT_PROMPT = "Solve the task with the tools you have. When you can answer, reply without tool calls."
 
 
 @dataclass
 class SwarmConfig:
     """Limits of one episode. `max_critical_steps` / timeouts of None mean no limit."""
+
     max_subagents: int = 16
     max_concurrency: int = 8
     max_orchestrator_steps: int = 16
@@ -52,9 +57,15 @@ class SwarmConfig:
                     raise TypeError(f"{f.name} must be a string, got {type(value).__name__}")
             elif f.name in ("max_critical_steps", "subagent_timeout", "timeout") and value is None:
                 continue
-            elif isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0 or (
-                    f.name.startswith("max_") and not isinstance(value, int)):
-                raise ValueError(f"{f.name} must be a positive {'integer' if f.name.startswith('max_') else 'number'}, got {value!r}")
+            elif (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or value <= 0
+                or (f.name.startswith("max_") and not isinstance(value, int))
+            ):
+                raise ValueError(
+                    f"{f.name} must be a positive {'integer' if f.name.startswith('max_') else 'number'}, got {value!r}"
+                )
 
 
 @dataclass
@@ -118,29 +129,67 @@ def _tool_message(call: ToolCall, content: str) -> dict:
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": content}
 
 
-async def _step(backend: Backend, messages, schemas, ep: _Episode, *, agent: str, role: str, stage: int,
-                run: int | None, step: int, forced: Completion | None = None) -> Completion:
+async def _step(
+    backend: Backend,
+    messages,
+    schemas,
+    ep: _Episode,
+    *,
+    agent: str,
+    role: str,
+    stage: int,
+    run: int | None,
+    step: int,
+    forced: Completion | None = None,
+) -> Completion:
     start = ep.now()
     completion = forced if forced is not None else await backend.complete(messages, schemas or None)
     # call ids must be unique within a conversation (tool results are matched by id): Kimi numbers them
     # functions.NAME:IDX with IDX counting every call so far, whatever the model wrote
     seen = sum(len(m.get("tool_calls") or []) for m in messages if m["role"] == "assistant")
-    completion = dataclasses.replace(completion, tool_calls=[  # copies: a backend may hand the same object to others
-        dataclasses.replace(c, id=f"functions.{c.name}:{seen + i}") for i, c in enumerate(completion.tool_calls)])
-    ep.trace.add(type="step", agent=agent, role=role, stage=stage, run=run, step=step,
-                 tool_calls=[c.name for c in completion.tool_calls], prompt_tokens=completion.prompt_tokens,
-                 completion_tokens=completion.completion_tokens, start=start, end=ep.now())
+    completion = dataclasses.replace(
+        completion,
+        tool_calls=[  # copies: a backend may hand the same object to others
+            dataclasses.replace(c, id=f"functions.{c.name}:{seen + i}") for i, c in enumerate(completion.tool_calls)
+        ],
+    )
+    ep.trace.add(
+        type="step",
+        agent=agent,
+        role=role,
+        stage=stage,
+        run=run,
+        step=step,
+        tool_calls=[c.name for c in completion.tool_calls],
+        prompt_tokens=completion.prompt_tokens,
+        completion_tokens=completion.completion_tokens,
+        start=start,
+        end=ep.now(),
+    )
     messages.append(completion.to_message())
     return completion
 
 
-async def _agent_loop(backend: Backend, messages: list[dict], tools: dict[str, Tool], max_steps: int,
-                      ep: _Episode, *, agent: str, role: str, stage: int, run: int | None, progress: list) -> str:
+async def _agent_loop(
+    backend: Backend,
+    messages: list[dict],
+    tools: dict[str, Tool],
+    max_steps: int,
+    ep: _Episode,
+    *,
+    agent: str,
+    role: str,
+    stage: int,
+    run: int | None,
+    progress: list,
+) -> str:
     """Model turns until a reply without tool calls (returned); `progress[0]` counts steps as they
     happen (read after a timeout). Raises _Budget after max_steps turns that all called tools."""
     schemas = [t.schema for t in tools.values()]
     for step in range(1, max_steps + 1):
-        completion = await _step(backend, messages, schemas, ep, agent=agent, role=role, stage=stage, run=run, step=step)
+        completion = await _step(
+            backend, messages, schemas, ep, agent=agent, role=role, stage=stage, run=run, step=step
+        )
         progress[0] = step
         if not completion.tool_calls:
             return completion.content
@@ -154,8 +203,15 @@ class Swarm:
     optionally tools of the orchestrator's own. `run(task)` plays one episode; `arun` is its
     coroutine. Sub-agent tool calls go to `tools` (functions or Tool objects)."""
 
-    def __init__(self, orchestrator: Backend, subagent: Backend | None = None, tools=(), orchestrator_tools=(),
-                 config: SwarmConfig | None = None, **config_kwargs):
+    def __init__(
+        self,
+        orchestrator: Backend,
+        subagent: Backend | None = None,
+        tools=(),
+        orchestrator_tools=(),
+        config: SwarmConfig | None = None,
+        **config_kwargs,
+    ):
         if not isinstance(orchestrator, Backend):
             raise TypeError(f"orchestrator must be a Backend, got {type(orchestrator).__name__}")
         if subagent is not None and not isinstance(subagent, Backend):
@@ -184,8 +240,9 @@ class Swarm:
         forced = [_as_completion(f) for f in forced_orchestrator_outputs]
         answer, status, error = None, "timeout", None
         try:
-            answer, status = await asyncio.wait_for(_no_inner_timeouts(self._orchestrate(messages, ep, forced)),
-                                                    self.config.timeout)
+            answer, status = await asyncio.wait_for(
+                _no_inner_timeouts(self._orchestrate(messages, ep, forced)), self.config.timeout
+            )
         except (asyncio.TimeoutError, TimeoutError):
             pass
         except Exception as exc:  # the orchestrator's own backend failed: an episode that ended in error
@@ -200,9 +257,18 @@ class Swarm:
         for stage in range(cfg.max_orchestrator_steps):
             if cfg.max_critical_steps is not None and critical + 1 > cfg.max_critical_steps:
                 return None, "critical_budget"
-            completion = await _step(self.orchestrator, messages, schemas, ep, agent="orchestrator", role="orchestrator",
-                                     stage=stage, run=None, step=stage + 1,
-                                     forced=forced[stage] if stage < len(forced) else None)
+            completion = await _step(
+                self.orchestrator,
+                messages,
+                schemas,
+                ep,
+                agent="orchestrator",
+                role="orchestrator",
+                stage=stage,
+                run=None,
+                step=stage + 1,
+                forced=forced[stage] if stage < len(forced) else None,
+            )
             critical += 1
             if not completion.tool_calls:
                 return completion.content, "finished"
@@ -262,22 +328,54 @@ class Swarm:
         async with ep.semaphore:
             start = ep.now()
             try:
-                answer = await asyncio.wait_for(_no_inner_timeouts(
-                    _agent_loop(self.subagent, messages, self.tools, budget, ep, agent=name, role="subagent",
-                                stage=stage, run=run, progress=progress)), self.config.subagent_timeout)
+                answer = await asyncio.wait_for(
+                    _no_inner_timeouts(
+                        _agent_loop(
+                            self.subagent,
+                            messages,
+                            self.tools,
+                            budget,
+                            ep,
+                            agent=name,
+                            role="subagent",
+                            stage=stage,
+                            run=run,
+                            progress=progress,
+                        )
+                    ),
+                    self.config.subagent_timeout,
+                )
             except _Budget as exc:
                 status, error = "step_budget", str(exc)
             except (asyncio.TimeoutError, TimeoutError):
                 status, error = "timeout", f"timed out after {self.config.subagent_timeout} s"
             except asyncio.CancelledError:
-                ep.trace.add(type="task", agent=name, run=run, stage=stage, steps=progress[0], status="cancelled",
-                             error="the episode ended", start=start, end=ep.now())
+                ep.trace.add(
+                    type="task",
+                    agent=name,
+                    run=run,
+                    stage=stage,
+                    steps=progress[0],
+                    status="cancelled",
+                    error="the episode ended",
+                    start=start,
+                    end=ep.now(),
+                )
                 raise
             except Exception as exc:  # a crashing backend or agent is the orchestrator's problem to handle
                 status, error = "failed", f"{type(exc).__name__}: {exc}"
         steps.append(progress[0])
-        ep.trace.add(type="task", agent=name, run=run, stage=stage, steps=progress[0], status=status, error=error,
-                     start=start, end=ep.now())
+        ep.trace.add(
+            type="task",
+            agent=name,
+            run=run,
+            stage=stage,
+            steps=progress[0],
+            status=status,
+            error=error,
+            start=start,
+            end=ep.now(),
+        )
         return answer if status == "finished" else f"Error: sub-agent {name!r} {error}"
 
 
@@ -289,8 +387,15 @@ def _as_completion(output: Any) -> Completion:
     raise TypeError(f"forced_orchestrator_outputs must hold strings or Completions, got {type(output).__name__}")
 
 
-async def arun_single_agent(backend: Backend, task: str, tools=(), max_steps: int = 64, trace_path=None,
-                            system_prompt: str = AGENT_PROMPT, timeout: float | None = None) -> SwarmResult:
+async def arun_single_agent(
+    backend: Backend,
+    task: str,
+    tools=(),
+    max_steps: int = 64,
+    trace_path=None,
+    system_prompt: str = AGENT_PROMPT,
+    timeout: float | None = None,
+) -> SwarmResult:
     """The serial baseline: one agent with the tools and no sub-agents (every step is critical)."""
     if not isinstance(task, str) or not task.strip():
         raise ValueError("task must be a non-empty string")
@@ -300,9 +405,23 @@ async def arun_single_agent(backend: Backend, task: str, tools=(), max_steps: in
     messages = [{"role": "system", "content": system_prompt}, {"role": "user", "content": task}]
     answer, status, error = None, "finished", None
     try:
-        answer = await asyncio.wait_for(_no_inner_timeouts(_agent_loop(
-            backend, messages, as_tools(tools), max_steps, ep, agent="agent", role="orchestrator", stage=0, run=None,
-            progress=[0])), timeout)
+        answer = await asyncio.wait_for(
+            _no_inner_timeouts(
+                _agent_loop(
+                    backend,
+                    messages,
+                    as_tools(tools),
+                    max_steps,
+                    ep,
+                    agent="agent",
+                    role="orchestrator",
+                    stage=0,
+                    run=None,
+                    progress=[0],
+                )
+            ),
+            timeout,
+        )
     except _Budget:
         status = "orchestrator_step_budget"
     except (asyncio.TimeoutError, TimeoutError):

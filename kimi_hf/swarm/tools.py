@@ -17,15 +17,21 @@ from typing import Any
 
 from transformers.utils import get_json_schema
 
-from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_BEGIN, TOOL_CALL_END,
-                                                       TOOL_CALLS_BEGIN, TOOL_CALLS_END)
+from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (
+    TOOL_CALL_ARGUMENT_BEGIN,
+    TOOL_CALL_BEGIN,
+    TOOL_CALL_END,
+    TOOL_CALLS_BEGIN,
+    TOOL_CALLS_END,
+)
+
 
 CREATE_SUBAGENT = {
     "type": "function",
     "function": {
         "name": "create_subagent",
         "description": "Create a sub-agent: a worker with its own context that runs tasks you assign to it "
-                       "and returns only its final answer.",
+        "and returns only its final answer.",
         "parameters": {
             "type": "object",
             "properties": {
@@ -41,7 +47,7 @@ ASSIGN_TASK = {
     "function": {
         "name": "assign_task",
         "description": "Give a created sub-agent a task. Tasks assigned in the same turn run in parallel; "
-                       "each returns the sub-agent's final answer.",
+        "each returns the sub-agent's final answer.",
         "parameters": {
             "type": "object",
             "properties": {
@@ -54,14 +60,21 @@ ASSIGN_TASK = {
 }
 ORCHESTRATOR_TOOLS = [CREATE_SUBAGENT, ASSIGN_TASK]
 
-_KIMI_CALL = re.compile(re.escape(TOOL_CALL_BEGIN) + r"\s*(?P<id>[^<]*?)\s*" + re.escape(TOOL_CALL_ARGUMENT_BEGIN)
-                        + r"(?P<args>.*?)" + re.escape(TOOL_CALL_END), re.DOTALL)
+_KIMI_CALL = re.compile(
+    re.escape(TOOL_CALL_BEGIN)
+    + r"\s*(?P<id>[^<]*?)\s*"
+    + re.escape(TOOL_CALL_ARGUMENT_BEGIN)
+    + r"(?P<args>.*?)"
+    + re.escape(TOOL_CALL_END),
+    re.DOTALL,
+)
 _HERMES_CALL = re.compile(r"<tool_call>\s*(?P<body>.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
 class ToolCall:
     """One call: `arguments` is a dict, or the raw string when it was not valid JSON (reported back)."""
+
     name: str
     arguments: dict | str
     id: str = ""
@@ -74,7 +87,7 @@ class ToolCall:
 def _kimi_name(call_id: str) -> str:
     """functions.NAME:IDX -> NAME."""
     name = call_id.split(":")[0]
-    return name[len("functions."):] if name.startswith("functions.") else name
+    return name[len("functions.") :] if name.startswith("functions.") else name
 
 
 def _loads(raw: str) -> dict | str:
@@ -85,8 +98,9 @@ def _loads(raw: str) -> dict | str:
     return value if isinstance(value, dict) else raw
 
 
-def parse_tool_calls(text: str, tokenizer=None, prefix: str | None = None,
-                     tools: list | None = None) -> tuple[str, list[ToolCall]]:
+def parse_tool_calls(
+    text: str, tokenizer=None, prefix: str | None = None, tools: list | None = None
+) -> tuple[str, list[ToolCall]]:
     """Generated text -> (content without the call markup, tool calls in order)."""
     if not isinstance(text, str):
         raise TypeError(f"text must be a string, got {type(text).__name__}")
@@ -100,8 +114,13 @@ def parse_tool_calls(text: str, tokenizer=None, prefix: str | None = None,
             for i, c in enumerate(message.get("tool_calls") or []):
                 fn = c.get("function", c)
                 args = fn.get("arguments", {})
-                calls.append(ToolCall(fn["name"], _loads(args) if isinstance(args, str) else args,
-                                      c.get("id") or f"functions.{fn['name']}:{i}"))
+                calls.append(
+                    ToolCall(
+                        fn["name"],
+                        _loads(args) if isinstance(args, str) else args,
+                        c.get("id") or f"functions.{fn['name']}:{i}",
+                    )
+                )
             return (message.get("content") or "").strip(), calls
     calls = []
     for i, m in enumerate(_KIMI_CALL.finditer(text)):
@@ -136,6 +155,7 @@ def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: s
 class Tool:
     """A Python function the agents may call: its JSON schema comes from the signature and the
     Google-style docstring (transformers' get_json_schema). Async functions are awaited."""
+
     fn: Callable
     schema: dict = field(default_factory=dict)
 
@@ -164,4 +184,13 @@ def as_tools(tools) -> dict[str, Tool]:
     return out
 
 
-__all__ = ["ToolCall", "Tool", "as_tools", "parse_tool_calls", "format_tool_calls", "ORCHESTRATOR_TOOLS", "CREATE_SUBAGENT", "ASSIGN_TASK"]
+__all__ = [
+    "ToolCall",
+    "Tool",
+    "as_tools",
+    "parse_tool_calls",
+    "format_tool_calls",
+    "ORCHESTRATOR_TOOLS",
+    "CREATE_SUBAGENT",
+    "ASSIGN_TASK",
+]

@@ -17,21 +17,41 @@ from kimi_hf import KimiHybridForCausalLM, KimiHybridForConditionalGeneration
 
 from ..models.kimi_hybrid.helpers import TINY, TINY_VISION, tiny_config
 
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("convert_kimi_k25_vision", ROOT / "conversion" / "convert_kimi_k25_vision.py")
+spec = importlib.util.spec_from_file_location(
+    "convert_kimi_k25_vision", ROOT / "conversion" / "convert_kimi_k25_vision.py"
+)
 tool = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tool)
 
-K25_TEXT = dict(model_type="deepseek_v3", vocab_size=120, intermediate_size=64, moe_intermediate_size=16,
-                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2, n_routed_experts=4,
-                num_experts_per_tok=2, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-                v_head_dim=8, first_k_dense_replace=1)
+K25_TEXT = dict(
+    model_type="deepseek_v3",
+    vocab_size=120,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    q_lora_rank=None,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    first_k_dense_replace=1,
+)
 
 
 def k25_checkpoint(path, text_hidden):
     torch.manual_seed(0)
-    cfg = Kimi_K25Config(text_config=dict(K25_TEXT, hidden_size=text_hidden), vision_config=TINY_VISION,
-                         projection_hidden_size=TINY_VISION["hidden_size"], image_token_id=7)
+    cfg = Kimi_K25Config(
+        text_config=dict(K25_TEXT, hidden_size=text_hidden),
+        vision_config=TINY_VISION,
+        projection_hidden_size=TINY_VISION["hidden_size"],
+        image_token_id=7,
+    )
     model = Kimi_K25ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for p in model.model.vision_tower.parameters():
@@ -47,8 +67,18 @@ def test_image_features_equal_k25_and_text_is_untouched(tmp_path):
     torch.manual_seed(1)
     text = KimiHybridForCausalLM(tiny_config()).eval()
     text.save_pretrained(tmp_path / "text")
-    summary = tool.main([str(tmp_path / "text"), str(tmp_path / "k25"), str(tmp_path / "mm"), "--image-token-id", "5",
-                         "--max-shard-size", "50KB", "--no-progress"])
+    summary = tool.main(
+        [
+            str(tmp_path / "text"),
+            str(tmp_path / "k25"),
+            str(tmp_path / "mm"),
+            "--image-token-id",
+            "5",
+            "--max-shard-size",
+            "50KB",
+            "--no-progress",
+        ]
+    )
     assert summary["notes"] == [] and summary["shards"] > 1
     mm = KimiHybridForConditionalGeneration.from_pretrained(tmp_path / "mm").eval()
     grid = torch.tensor([[1, 4, 6], [1, 2, 2]])
@@ -65,8 +95,9 @@ def test_image_features_equal_k25_and_text_is_untouched(tmp_path):
 def test_projector_of_another_hidden_size_is_left_out_with_a_note(tmp_path, capsys):
     k25_checkpoint(tmp_path / "k25", text_hidden=48)
     KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "text")
-    summary = tool.main([str(tmp_path / "text"), str(tmp_path / "k25"), str(tmp_path / "mm"), "--image-token-id", "5",
-                         "--no-progress"])
+    summary = tool.main(
+        [str(tmp_path / "text"), str(tmp_path / "k25"), str(tmp_path / "mm"), "--image-token-id", "5", "--no-progress"]
+    )
     assert len(summary["notes"]) == 1 and "out_proj" in capsys.readouterr().out
     mm = KimiHybridForConditionalGeneration.from_pretrained(tmp_path / "mm")
     assert mm.model.mm_projector.out_proj.weight.shape == (TINY["hidden_size"], 4 * TINY_VISION["hidden_size"])
@@ -82,8 +113,12 @@ def test_refuses_wrong_inputs(tmp_path):
 def test_cli_help():
     import subprocess
 
-    out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_k25_vision.py"), "--help"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "conversion" / "convert_kimi_k25_vision.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "--image-token-id" in out.stdout
 
 
@@ -98,17 +133,29 @@ def test_wrong_tensors_are_named_as_the_checkpoints_spell_them(tmp_path):
     state = load_file(shard)
     state["vision_tower.encoder.blocks.1.mlp.fc0.weight"] = torch.zeros(60, TINY_VISION["hidden_size"])
     save_file(state, shard)
-    args = [str(tmp_path / "text"), str(tmp_path / "k25"), str(tmp_path / "mm"), "--image-token-id", "5",
-            "--no-progress"]
-    with pytest.raises(ValueError, match=r"tensor vision_tower\.encoder\.blocks\.1\.mlp\.fc0\.weight "
-                                         r"\(in .*k25/model\.safetensors\) has shape \(60, 32\)"):
+    args = [
+        str(tmp_path / "text"),
+        str(tmp_path / "k25"),
+        str(tmp_path / "mm"),
+        "--image-token-id",
+        "5",
+        "--no-progress",
+    ]
+    with pytest.raises(
+        ValueError,
+        match=r"tensor vision_tower\.encoder\.blocks\.1\.mlp\.fc0\.weight "
+        r"\(in .*k25/model\.safetensors\) has shape \(60, 32\)",
+    ):
         tool.main(args)
     k25_checkpoint(tmp_path / "k25", text_hidden=TINY["hidden_size"])  # intact again
     shard = tmp_path / "text" / "model.safetensors"
     state = load_file(shard)
     del state["model.layers.2.mlp.shared_experts.up_proj.weight"]
     save_file(state, shard, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"missing from .*text, e\.g\. "
-                                         r"\['model\.layers\.2\.mlp\.shared_experts\.up_proj"):
+    with pytest.raises(
+        ValueError,
+        match=r"missing from .*text, e\.g\. "
+        r"\['model\.layers\.2\.mlp\.shared_experts\.up_proj",
+    ):
         tool.main(args)
     assert not (tmp_path / "mm").exists()

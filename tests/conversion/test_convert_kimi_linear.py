@@ -13,16 +13,35 @@ from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausa
 
 from kimi_hf import KimiHybridForCausalLM
 
+
 ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("convert_kimi_linear", ROOT / "conversion" / "convert_kimi_linear.py")
 convert_kimi_linear = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(convert_kimi_linear)
 
 NATIVE = dict(
-    vocab_size=101, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
-    num_attention_heads=2, num_key_value_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
-    v_head_dim=8, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-    linear_num_heads=2, linear_head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, initializer_range=0.1,
+    vocab_size=101,
+    hidden_size=32,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_hidden_layers=4,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=8,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    linear_num_heads=2,
+    linear_head_dim=8,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    initializer_range=0.1,
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
     mlp_layer_types=["dense", "sparse", "sparse", "sparse"],
 )
@@ -120,7 +139,9 @@ def test_sharded_in_and_out_with_index_dtype_and_summary(native_dir, tmp_path, c
 @pytest.mark.parametrize("layers", ["2", "0"])
 def test_verify_compares_logits_in_a_fresh_process(native_dir, tmp_path, layers):
     path, _ = native_dir
-    summary = convert_kimi_linear.main([str(path), str(tmp_path / "ours"), "--verify", "--verify-layers", layers, "--no-progress"])
+    summary = convert_kimi_linear.main(
+        [str(path), str(tmp_path / "ours"), "--verify", "--verify-layers", layers, "--no-progress"]
+    )
     assert summary["rel_max_diff"] < 1e-4
 
 
@@ -148,14 +169,18 @@ def test_wrong_inputs_name_the_tensor_or_file_and_leave_nothing(native_dir, tmp_
     state = load_file(extra / "model.safetensors")
     state["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(4)
     save_file(state, extra / "model.safetensors")
-    with pytest.raises(ValueError, match=r"unknown tensor model\.layers\.1\.self_attn\.rotary_emb\.inv_freq .*model\.safetensors"):
+    with pytest.raises(
+        ValueError, match=r"unknown tensor model\.layers\.1\.self_attn\.rotary_emb\.inv_freq .*model\.safetensors"
+    ):
         convert_kimi_linear.main([str(extra), str(tmp_path / "out"), "--no-progress"])
     # a config that does not match the tensors
     wrong = _copy_checkpoint(path, tmp_path / "wrong")
     cfg = json.loads((wrong / "config.json").read_text())
     cfg["vocab_size"] = 99
     (wrong / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"(lm_head|model\.embed_tokens)\.weight .* shape \(101, 32\), the config implies \(99, 32\)"):
+    with pytest.raises(
+        ValueError, match=r"(lm_head|model\.embed_tokens)\.weight .* shape \(101, 32\), the config implies \(99, 32\)"
+    ):
         convert_kimi_linear.main([str(wrong), str(tmp_path / "out"), "--no-progress"])
     # a truncated shard
     broken = _copy_checkpoint(path, tmp_path / "broken")
@@ -177,8 +202,12 @@ def test_cli_help():
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "conversion" / "convert_kimi_linear.py"), "--help"],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "conversion" / "convert_kimi_linear.py"), "--help"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0 and "--max-shard-size" in out.stdout and "--verify" in out.stdout
 
 
@@ -190,7 +219,11 @@ def test_transformers_in_memory_layout_converts_too(native_dir, tmp_path):
     path, native = native_dir
     src = tmp_path / "runtime"
     src.mkdir()
-    state = {k: v.contiguous() for k, v in native.state_dict().items() if k != "lm_head.weight" or not native.config.tie_word_embeddings}
+    state = {
+        k: v.contiguous()
+        for k, v in native.state_dict().items()
+        if k != "lm_head.weight" or not native.config.tie_word_embeddings
+    }
     assert any(".forget_gate." in k for k in state) and any(k.endswith("self_attn.conv1d.weight") for k in state)
     save_file(state, src / "model.safetensors")
     (src / "config.json").write_text((path / "config.json").read_text())
@@ -221,27 +254,56 @@ L1, L2, L3 = "model.layers.1.block_sparse_moe", "model.layers.2.block_sparse_moe
 IN_FILE = r" \(in .*model\.safetensors\)"
 
 
-@pytest.mark.parametrize("case,edit,error", [
-    ("expert_shape", lambda s: s.update({f"{L1}.experts.2.w3.weight": torch.zeros(16, 31)}),
-     r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight" + IN_FILE
-     + r" has shape \(16, 31\), the config implies \(16, 32\)"),
-    ("shared_expert_shape", lambda s: s.update({f"{L2}.shared_experts.up_proj.weight": torch.zeros(8, 32)}),
-     r"tensor model\.layers\.2\.block_sparse_moe\.shared_experts\.up_proj\.weight" + IN_FILE + " has shape"),
-    ("a_log_shape", lambda s: s.update({"model.layers.0.self_attn.A_log": torch.zeros(1, 1, 3, 1)}),
-     r"tensor model\.layers\.0\.self_attn\.A_log" + IN_FILE
-     + r" has shape \(1, 1, 3, 1\), the config implies \(1, 1, 2, 1\) or \(2,\)"),
-    ("expert_beyond_config", lambda s: s.update({f"{L1}.experts.4.w1.weight": torch.zeros(16, 32)}),
-     r"unknown tensor model\.layers\.1\.block_sparse_moe\.experts\.4\.w1\.weight" + IN_FILE),
-    ("expert_missing", lambda s: s.pop(f"{L3}.experts.1.w2.weight"),
-     r"tensor model\.layers\.3\.block_sparse_moe\.experts\.1\.w2\.weight is missing"),
-    ("layer_experts_missing", lambda s: _experts_removed(s, 2),
-     r"missing .*model\.layers\.2\.block_sparse_moe\.experts\.0\.w1\.weight"),
-    ("shared_expert_missing", lambda s: s.pop(f"{L2}.shared_experts.down_proj.weight"),
-     r"missing .*'model\.layers\.2\.block_sparse_moe\.shared_experts\.down_proj\.weight'"),
-    ("two_spellings", lambda s: s.update({"model.layers.1.mlp.gate.weight": s[f"{L1}.gate.weight"].clone()}),
-     r"model\.layers\.1\.(block_sparse_moe|mlp)\.gate\.weight \(in .*\) and "
-     r"model\.layers\.1\.(mlp|block_sparse_moe)\.gate\.weight \(in .*\) are the same tensor"),
-])
+@pytest.mark.parametrize(
+    "case,edit,error",
+    [
+        (
+            "expert_shape",
+            lambda s: s.update({f"{L1}.experts.2.w3.weight": torch.zeros(16, 31)}),
+            r"tensor model\.layers\.1\.block_sparse_moe\.experts\.2\.w3\.weight"
+            + IN_FILE
+            + r" has shape \(16, 31\), the config implies \(16, 32\)",
+        ),
+        (
+            "shared_expert_shape",
+            lambda s: s.update({f"{L2}.shared_experts.up_proj.weight": torch.zeros(8, 32)}),
+            r"tensor model\.layers\.2\.block_sparse_moe\.shared_experts\.up_proj\.weight" + IN_FILE + " has shape",
+        ),
+        (
+            "a_log_shape",
+            lambda s: s.update({"model.layers.0.self_attn.A_log": torch.zeros(1, 1, 3, 1)}),
+            r"tensor model\.layers\.0\.self_attn\.A_log"
+            + IN_FILE
+            + r" has shape \(1, 1, 3, 1\), the config implies \(1, 1, 2, 1\) or \(2,\)",
+        ),
+        (
+            "expert_beyond_config",
+            lambda s: s.update({f"{L1}.experts.4.w1.weight": torch.zeros(16, 32)}),
+            r"unknown tensor model\.layers\.1\.block_sparse_moe\.experts\.4\.w1\.weight" + IN_FILE,
+        ),
+        (
+            "expert_missing",
+            lambda s: s.pop(f"{L3}.experts.1.w2.weight"),
+            r"tensor model\.layers\.3\.block_sparse_moe\.experts\.1\.w2\.weight is missing",
+        ),
+        (
+            "layer_experts_missing",
+            lambda s: _experts_removed(s, 2),
+            r"missing .*model\.layers\.2\.block_sparse_moe\.experts\.0\.w1\.weight",
+        ),
+        (
+            "shared_expert_missing",
+            lambda s: s.pop(f"{L2}.shared_experts.down_proj.weight"),
+            r"missing .*'model\.layers\.2\.block_sparse_moe\.shared_experts\.down_proj\.weight'",
+        ),
+        (
+            "two_spellings",
+            lambda s: s.update({"model.layers.1.mlp.gate.weight": s[f"{L1}.gate.weight"].clone()}),
+            r"model\.layers\.1\.(block_sparse_moe|mlp)\.gate\.weight \(in .*\) and "
+            r"model\.layers\.1\.(mlp|block_sparse_moe)\.gate\.weight \(in .*\) are the same tensor",
+        ),
+    ],
+)
 def test_errors_name_the_tensor_as_the_checkpoint_spells_it(native_dir, tmp_path, case, edit, error):
     """Moonshot's naming (block_sparse_moe, per-expert w1/w2/w3, A_log [1, 1, H, 1]) is checked before
     it is renamed or stacked: errors name the user's key and file, never our name for it."""
@@ -272,6 +334,10 @@ def test_converted_directory_and_files_get_normal_permissions(native_dir, tmp_pa
     out = tmp_path / "out"
     assert stat.S_IMODE(out.stat().st_mode) == 0o755
     modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in out.iterdir()}
-    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "model-00001-of-"
-            f"{len(modes) - 3:05d}.safetensors"} <= set(modes)
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        f"model-00001-of-{len(modes) - 3:05d}.safetensors",
+    } <= set(modes)
     assert modes == dict.fromkeys(modes, 0o644), modes

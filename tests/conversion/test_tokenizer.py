@@ -12,6 +12,7 @@ from kimi_hf.conversion.tokenizer import read_tiktoken, tiktoken_to_fast
 
 from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F401  (fixture)
 
+
 EXTRA = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world", "中".encode()[:2], "中".encode()]
 
 
@@ -23,10 +24,17 @@ def write_kimi_tokenizer(folder):
         for t, r in ranks.items():
             f.write(base64.b64encode(t) + b" " + str(r).encode() + b"\n")
     n = len(ranks)
-    cfg = {"added_tokens_decoder": {str(n): {"content": "[BOS]", "special": True}, str(n + 1): {"content": "[EOS]", "special": True},
-                                    str(n + 2): {"content": "<|im_end|>", "special": True},
-                                    str(n + 5): {"content": "<|media_pad|>", "special": True}},
-           "bos_token": "[BOS]", "eos_token": "[EOS]", "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+    cfg = {
+        "added_tokens_decoder": {
+            str(n): {"content": "[BOS]", "special": True},
+            str(n + 1): {"content": "[EOS]", "special": True},
+            str(n + 2): {"content": "<|im_end|>", "special": True},
+            str(n + 5): {"content": "<|media_pad|>", "special": True},
+        },
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+    }
     (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
     return n
 

@@ -4,6 +4,7 @@ import importlib.util
 import os
 from pathlib import Path
 
+
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
@@ -15,7 +16,9 @@ def load(name):
 
 
 def test_kda_prefill_decode(capsys):
-    worst = load("kda_prefill_decode").main(["--lengths", "70", "5", "130", "--decode", "3", "--heads", "2", "--head-dim", "16"])
+    worst = load("kda_prefill_decode").main(
+        ["--lengths", "70", "5", "130", "--decode", "3", "--heads", "2", "--head-dim", "16"]
+    )
     assert worst <= 1e-4
     assert "decode continues prefill" in capsys.readouterr().out
 
@@ -27,8 +30,9 @@ def test_multimodal_finetune(tmp_path, capsys):
 
     from PIL import Image
 
-    acc = load("multimodal_finetune").main(["--steps", "4", "--train", "64", "--eval", "8", "--batch", "8",
-                                            "--seed", "3", "--out", str(tmp_path)])
+    acc = load("multimodal_finetune").main(
+        ["--steps", "4", "--train", "64", "--eval", "8", "--batch", "8", "--seed", "3", "--out", str(tmp_path)]
+    )
     out = capsys.readouterr().out
     printed = re.search(r"held-out accuracy (\d\.\d{3}) \(seed 3; chance 0\.\d\d\) on 8 scenes", out)
     assert printed is not None, out
@@ -42,8 +46,9 @@ def test_multimodal_finetune(tmp_path, capsys):
 
 
 def test_swarm_wide_search(tmp_path, capsys):
-    rows = load("swarm_wide_search").main(["--modules", "8", "--per-agent", "2", "--step-latency", "0.02",
-                                           "--out", str(tmp_path)])
+    rows = load("swarm_wide_search").main(
+        ["--modules", "8", "--per-agent", "2", "--step-latency", "0.02", "--out", str(tmp_path)]
+    )
     single, swarm = rows["single agent"], rows["swarm"]
     assert single["quality"] == swarm["quality"] == 1.0
     assert (single["critical_steps"], swarm["critical_steps"]) == (9, 1 + 3 + 1)
@@ -69,8 +74,20 @@ def test_swarm_wide_search_reports_no_speed_up_for_failed_or_unfinished_runs(tmp
     """Runs that fail at their first step (or are cut short by the step budget) are fast for the wrong
     reason: their time ratio ("5.6x" at quality 0) is not printed as a speed-up."""
     example = load("swarm_wide_search")
-    rows = example.main(["--modules", "8", "--backend", "openai", "--model", "any", "--base-url", _refused_url(),
-                         "--out", str(tmp_path / "failed")])
+    rows = example.main(
+        [
+            "--modules",
+            "8",
+            "--backend",
+            "openai",
+            "--model",
+            "any",
+            "--base-url",
+            _refused_url(),
+            "--out",
+            str(tmp_path / "failed"),
+        ]
+    )
     out = capsys.readouterr().out
     assert rows["single agent"]["status"] == rows["swarm"]["status"] == "error"
     assert "x fewer" not in out and "wall time" not in out
@@ -78,17 +95,31 @@ def test_swarm_wide_search_reports_no_speed_up_for_failed_or_unfinished_runs(tmp
     assert "quality 0.00 (single agent) vs 0.00 (swarm)" in out and "single agent: BackendError" in out
     # a budget of 2 steps per agent: the serial agent (8 reads + the answer) is cut short, the swarm's
     # sub-agents (1 read + the answer) and orchestrator (assign + answer) are not
-    example.main(["--modules", "8", "--per-agent", "1", "--max-steps", "2", "--step-latency", "0", "--out",
-                  str(tmp_path / "budget")])
+    example.main(
+        [
+            "--modules",
+            "8",
+            "--per-agent",
+            "1",
+            "--max-steps",
+            "2",
+            "--step-latency",
+            "0",
+            "--out",
+            str(tmp_path / "budget"),
+        ]
+    )
     out = capsys.readouterr().out
-    assert ("no speed-up reported: both runs must finish (single agent: orchestrator_step_budget, "
-            "swarm: finished)") in out
+    assert (
+        "no speed-up reported: both runs must finish (single agent: orchestrator_step_budget, swarm: finished)"
+    ) in out
     assert "vs 1.00 (swarm)" in out and "x fewer" not in out
 
 
 def test_generate_streams_text_and_answers_about_an_image(quickstart_model, tmp_path, capsys):
-    from kimi_hf.scenes import render_scene
     import random
+
+    from kimi_hf.scenes import render_scene
 
     image = tmp_path / "scene.png"
     render_scene(random.Random(0), 84, circles=2).save(image)
@@ -104,8 +135,16 @@ def test_push_to_hub_dry_run_and_upload(quickstart_model, tmp_path, monkeypatch)
 
     folder = load("push_to_hub").main([quickstart_model, "me/tiny", "--dry-run", str(tmp_path / "up")])
     files = set(os.listdir(folder))
-    assert {"config.json", "model.safetensors", "modeling_kimi_hybrid.py", "kda.py", "README.md",
-            "processor_config.json", "tokenizer.json", "chat_template.jinja"} <= files
+    assert {
+        "config.json",
+        "model.safetensors",
+        "modeling_kimi_hybrid.py",
+        "kda.py",
+        "README.md",
+        "processor_config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    } <= files
     uploaded = {}
 
     class Repo:
@@ -113,8 +152,14 @@ def test_push_to_hub_dry_run_and_upload(quickstart_model, tmp_path, monkeypatch)
 
     # the Hub is not reachable here: the two network calls record their arguments
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: Repo())
-    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kw: uploaded.update(
-        repo_id=repo_id, files=set(os.listdir(folder_path))) or "https://huggingface.co/me/tiny/commit/x")
+    monkeypatch.setattr(
+        HfApi,
+        "upload_folder",
+        lambda self, repo_id, folder_path, **kw: (
+            uploaded.update(repo_id=repo_id, files=set(os.listdir(folder_path)))
+            or "https://huggingface.co/me/tiny/commit/x"
+        ),
+    )
     load("push_to_hub").main([quickstart_model, "me/tiny"])
     assert uploaded["repo_id"] == "me/tiny" and uploaded["files"] == files
 

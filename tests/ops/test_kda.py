@@ -14,6 +14,7 @@ import torch.nn.functional as F
 import kimi_hf.models.kimi_hybrid.kda as kda_mod
 from kimi_hf.ops import chunk_kda, l2norm, naive_recurrent_kda, recurrent_kda
 
+
 TOL = 1e-4
 
 
@@ -148,8 +149,15 @@ def test_decode_continues_prefill():
     o_pre, S = chunk_kda(q[:, :80], k[:, :80], v[:, :80], g[:, :80], beta[:, :80], output_final_state=True)
     outs = [o_pre]
     for t in range(80, 90):
-        o_t, S = recurrent_kda(q[:, t : t + 1], k[:, t : t + 1], v[:, t : t + 1], g[:, t : t + 1], beta[:, t : t + 1],
-                               initial_state=S, output_final_state=True)
+        o_t, S = recurrent_kda(
+            q[:, t : t + 1],
+            k[:, t : t + 1],
+            v[:, t : t + 1],
+            g[:, t : t + 1],
+            beta[:, t : t + 1],
+            initial_state=S,
+            output_final_state=True,
+        )
         outs.append(o_t)
     assert rel_rms(torch.cat(outs, 1), o_full) <= TOL
     assert rel_rms(S, S_full) <= TOL
@@ -205,7 +213,7 @@ def test_reference_backend_is_the_token_loop():
     assert torch.equal(o, o2) and torch.equal(S, S2)
     # one step of the recurrence, written out
     q, k, v, g, beta = (x[:, :1] for x in inputs)
-    S1 = (beta[0, 0, :, None, None] * k[0, 0, :, :, None] * v[0, 0, :, None, :])
+    S1 = beta[0, 0, :, None, None] * k[0, 0, :, :, None] * v[0, 0, :, None, :]
     assert torch.allclose(o[0, 0], torch.einsum("hk,hkv->hv", q[0, 0] * scale, S1), atol=1e-6)
 
 
@@ -236,8 +244,18 @@ def test_public_signatures_are_fixed():
     for fn in (chunk_kda, recurrent_kda):
         params = inspect.signature(fn).parameters
         assert list(params)[:5] == ["q", "k", "v", "g", "beta"]
-        kw = ["scale", "initial_state", "output_final_state", "cu_seqlens", "use_qk_l2norm", "backend",
-              "use_gate_in_kernel", "A_log", "dt_bias", "use_beta_sigmoid_in_kernel"]
+        kw = [
+            "scale",
+            "initial_state",
+            "output_final_state",
+            "cu_seqlens",
+            "use_qk_l2norm",
+            "backend",
+            "use_gate_in_kernel",
+            "A_log",
+            "dt_bias",
+            "use_beta_sigmoid_in_kernel",
+        ]
         assert [n for n in params if params[n].kind is inspect.Parameter.KEYWORD_ONLY] == kw
 
 
@@ -259,7 +277,12 @@ def _bad_cases():
     yield "cu_seqlens", ValueError, ok, dict(cu_seqlens=torch.tensor([0, 9]))
     yield "cu_seqlens", ValueError, ok, dict(cu_seqlens=torch.tensor([0, 6, 4, 10]))
     yield "cu_seqlens", ValueError, ok, dict(cu_seqlens=torch.tensor([0.0, 10.0]))
-    yield "cu_seqlens", ValueError, dict(ok, **{n: x.expand(2, *x.shape[1:]) for n, x in ok.items()}), dict(cu_seqlens=torch.tensor([0, 10]))
+    yield (
+        "cu_seqlens",
+        ValueError,
+        dict(ok, **{n: x.expand(2, *x.shape[1:]) for n, x in ok.items()}),
+        dict(cu_seqlens=torch.tensor([0, 10])),
+    )
     yield "scale", ValueError, ok, dict(scale=-1.0)
     yield "backend", ValueError, ok, dict(backend="cuda")
     yield "A_log", ValueError, ok, dict(A_log=torch.zeros(2))  # without use_gate_in_kernel
@@ -282,10 +305,26 @@ def test_fused_gate_and_beta_sigmoid_equal_the_formulas(fn):
     q, k, v, f, beta = make_inputs(1, 70, 2, 8, 8, seed=4)
     f, logits = f * -3.0, beta * 4 - 2
     A_log, dt_bias = torch.tensor([0.3, 2.0], requires_grad=True), torch.randn(2, 8, requires_grad=True)
-    o, S = fn(q, k, v, f, logits, output_final_state=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-              use_beta_sigmoid_in_kernel=True)
-    o_ref, S_ref = fn(q, k, v, kda_mod.kda_gate(f, A_log.detach(), dt_bias.detach().flatten()), torch.sigmoid(logits),
-                      output_final_state=True)
+    o, S = fn(
+        q,
+        k,
+        v,
+        f,
+        logits,
+        output_final_state=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True,
+    )
+    o_ref, S_ref = fn(
+        q,
+        k,
+        v,
+        kda_mod.kda_gate(f, A_log.detach(), dt_bias.detach().flatten()),
+        torch.sigmoid(logits),
+        output_final_state=True,
+    )
     assert rel_rms(o, o_ref) <= 1e-6 and rel_rms(S, S_ref) <= 1e-6
     o.sum().backward()
     assert A_log.grad.abs().sum() > 0 and dt_bias.grad.abs().sum() > 0

@@ -15,6 +15,7 @@ from kimi_hf.optim import MuonClip
 
 from ..models.kimi_hybrid.helpers import tiny_config
 
+
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3
 
@@ -38,8 +39,13 @@ def torchrun(args, port):
 def test_ddp_with_accelerate_matches_single_process(tmp_path):
     script = ROOT / "examples" / "pretrain_muonclip.py"
     common = ["--steps", "4", "--batch", "4", "--seq", "48", "--hidden", "32", "--corpus-bytes", "200000"]
-    single = subprocess.run([sys.executable, str(script), *common, "--out", str(tmp_path / "one")],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    single = subprocess.run(
+        [sys.executable, str(script), *common, "--out", str(tmp_path / "one")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert single.returncode == 0, single.stderr[-3000:]
     stdout = torchrun([str(script), *common, "--out", str(tmp_path / "two")], port=29561)
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
@@ -50,7 +56,9 @@ def test_ddp_with_accelerate_matches_single_process(tmp_path):
     assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5
     # the Newton-Schulz work is split, not repeated: the two ranks' shares add up to the whole
     total = int(single.stdout.split("orthogonalised ")[1].split()[0])
-    shares = sorted(int(line.split("orthogonalised ")[1].split()[0]) for line in stdout.splitlines() if "orthogonalised" in line)
+    shares = sorted(
+        int(line.split("orthogonalised ")[1].split()[0]) for line in stdout.splitlines() if "orthogonalised" in line
+    )
     assert len(shares) == 2 and sum(shares) == total and max(shares) < total
 
 

@@ -71,8 +71,12 @@ def test_update_scale_is_moonlight_rule():
 
 def test_muon_group_rejects_vectors_naming_the_group():
     with pytest.raises(ValueError, match=r"param_groups\[1\].*use_muon"):
-        MuonClip([{"params": [nn.Parameter(torch.randn(4, 4))], "use_muon": True},
-                  {"params": [nn.Parameter(torch.randn(4))], "use_muon": True}])
+        MuonClip(
+            [
+                {"params": [nn.Parameter(torch.randn(4, 4))], "use_muon": True},
+                {"params": [nn.Parameter(torch.randn(4))], "use_muon": True},
+            ]
+        )
     with pytest.raises(ValueError, match="momentum"):
         MuonClip([nn.Parameter(torch.randn(3))], momentum=1.5)
 
@@ -83,13 +87,24 @@ def test_split_params_by_role():
     name = {id(p): n for n, p in model.named_parameters()}
     muon_names, adamw_names = {name[id(p)] for p in muon}, {name[id(p)] for p in adamw}
     assert muon_names.isdisjoint(adamw_names) and len(muon) + len(adamw) == len(list(model.parameters()))
-    for must in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.kv_b_proj.weight",
-                 "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.shared_experts.down_proj.weight",
-                 "model.layers.0.mlp.gate_proj.weight"):
+    for must in (
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.3.self_attn.kv_b_proj.weight",
+        "model.layers.1.mlp.experts.gate_up_proj",
+        "model.layers.1.mlp.shared_experts.down_proj.weight",
+        "model.layers.0.mlp.gate_proj.weight",
+    ):
         assert must in muon_names, must
-    for must in ("model.embed_tokens.weight", "lm_head.weight", "model.norm.weight", "model.layers.0.self_attn.A_log",
-                 "model.layers.0.self_attn.dt_bias", "model.layers.0.self_attn.q_conv1d.weight",
-                 "model.layers.1.mlp.gate.weight", "model.layers.0.self_attn.o_norm.weight"):
+    for must in (
+        "model.embed_tokens.weight",
+        "lm_head.weight",
+        "model.norm.weight",
+        "model.layers.0.self_attn.A_log",
+        "model.layers.0.self_attn.dt_bias",
+        "model.layers.0.self_attn.q_conv1d.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.0.self_attn.o_norm.weight",
+    ):
         assert must in adamw_names, must
 
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from kimi_hf import KimiHybridForCausalLM
-from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridMLA, attention_max_logits
+from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridMLA
 from kimi_hf.optim import MuonClip, QKClip
+from kimi_hf.optim.qk_clip import attention_max_logits
 
 from ..models.kimi_hybrid.helpers import tiny_config
 
@@ -90,7 +91,9 @@ def test_only_mla_layers_are_clipped_in_the_hybrid_model():
     model = KimiHybridForCausalLM(tiny_config())
     clip = QKClip(model)
     assert clip.modules == [model.model.layers[3].self_attn]
-    assert model.config._attn_implementation == "sdpa"  # our MLA records by itself: no wrapper
+    # the one recording wrapper, standing in for the implementation the model had
+    assert model.config._attn_implementation == "kimi_hf_qk_clip_sdpa"
+    assert clip.modules[0]._qk_clip_inner_attention == "sdpa"
 
 
 def test_no_record_outside_training_and_no_clip_without_records():
@@ -118,25 +121,46 @@ def test_attention_max_logits_respects_masks():
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_generic_q_k_attention_of_another_model(kv_heads, impl):
-    """A transformers Llama (RoPE, GQA or not): records post-rotary max logits, clips by gamma."""
+    """A transformers Llama (RoPE, GQA or not): records post-rotary max logits (exact with eager, the log-sum-exp
+    bound with sdpa on CPU), clips head h by gamma_h = tau / record_h."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=kv_heads, attn_implementation=impl)
-    model = LlamaForCausalLM(cfg).train()
+    def llama(attn_implementation):
+        torch.manual_seed(0)
+        cfg = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            attn_implementation=attn_implementation,
+        )
+        return LlamaForCausalLM(cfg).train()
+
+    def exact_max(state):  # an eager twin: the wrapper's exact record (attention_max_logits, tested above)
+        twin = llama("eager")
+        twin.load_state_dict(state)
+        clip = QKClip(twin, tau=1e9)
+        with torch.no_grad():
+            twin(x)
+        return clip._maxima[id(twin.model.layers[0].self_attn)]
+
+    model = llama(impl)
     x = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        ref = model(x, output_attentions=False).logits
+        ref = model(x).logits
     clip = QKClip(model, tau=1e9)
     attn = model.model.layers[0].self_attn
     assert clip.modules == [model.model.layers[0].self_attn, model.model.layers[1].self_attn]
     with torch.no_grad():
         assert torch.allclose(model(x).logits, ref, atol=1e-6)  # the wrapper changes nothing
     before = clip._maxima[id(attn)].clone()
+    exact = exact_max(model.state_dict())
+    if impl == "eager":
+        torch.testing.assert_close(before, exact)
+    else:  # max <= lse <= max + log(keys), the row with the most keys bounding it
+        assert (exact <= before + 1e-5).all() and (before <= exact + math.log(12) + 1e-5).all()
     clip.tau = float(before.min()) * 0.5
-    clip.clip()  # every head of every layer is over tau: all scaled to tau
-    with torch.no_grad():
-        model(x)
-    after = clip._maxima[id(attn)]
-    assert torch.allclose(after, torch.full_like(after, clip.tau), rtol=1e-4)
+    clip.clip()  # every head of every layer is over tau: each scaled by tau / its record
+    torch.testing.assert_close(exact_max(model.state_dict()), exact * clip.tau / before, rtol=1e-4, atol=1e-5)

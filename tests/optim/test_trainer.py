@@ -16,16 +16,30 @@ def dataset(n=16, T=24):
 
 
 def args(tmp_path, **kw):
-    return TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=4, logging_steps=2,
-                             report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True, **kw)
+    return TrainingArguments(
+        output_dir=str(tmp_path),
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=2,
+        report_to=[],
+        save_strategy="no",
+        use_cpu=True,
+        disable_tqdm=True,
+        **kw,
+    )
 
 
 def test_trainer_with_optimizers_tuple_logs_qk_clip(tmp_path):
     torch.manual_seed(0)
     model = KimiHybridForCausalLM(tiny_config(use_cache=False))
     opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=0.5)
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=dataset(), optimizers=(opt, None),
-                      callbacks=[MuonClipCallback()])
+    trainer = Trainer(
+        model=model,
+        args=args(tmp_path),
+        train_dataset=dataset(),
+        optimizers=(opt, None),
+        callbacks=[MuonClipCallback()],
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
     assert len(logs) == 3
@@ -38,7 +52,9 @@ def test_trainer_with_optimizer_cls_and_kwargs_splits_by_role(tmp_path):
     torch.manual_seed(0)
     model = KimiHybridForCausalLM(tiny_config(use_cache=False))
     kwargs = {"model": model, "lr": 1e-2, "weight_decay": 0.1, "qk_clip_tau": 100.0}
-    trainer = Trainer(model=model, args=args(tmp_path), train_dataset=dataset(), optimizer_cls_and_kwargs=(MuonClip, kwargs))
+    trainer = Trainer(
+        model=model, args=args(tmp_path), train_dataset=dataset(), optimizer_cls_and_kwargs=(MuonClip, kwargs)
+    )
     trainer.train()
     opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
     assert isinstance(opt, MuonClip)

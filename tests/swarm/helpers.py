@@ -9,6 +9,7 @@ def tool_results(messages):
 
 def fan_out_orchestrator(n_agents, tasks_per_turn=None, turns=1):
     """Creates n agents, then assigns each a task per turn for `turns` turns, then answers with the results."""
+
     def policy(messages, tools):
         done = sum(1 for m in messages if m["role"] == "assistant")
         if done < turns:
@@ -16,11 +17,13 @@ def fan_out_orchestrator(n_agents, tasks_per_turn=None, turns=1):
             calls += [("assign_task", {"agent": f"a{i}", "task": f"item {i} turn {done}"}) for i in range(n_agents)]
             return format_tool_calls(calls)
         return " | ".join(r for r in tool_results(messages) if not r.startswith("Created"))
+
     return policy
 
 
 def worker(steps=1, fail_on=None):
     """A sub-agent that calls `lookup` (steps - 1) times, then answers with the last result; raises on `fail_on`."""
+
     def policy(messages, tools):
         task = messages[1]["content"]
         if fail_on and fail_on in task:
@@ -29,6 +32,7 @@ def worker(steps=1, fail_on=None):
         if used < steps - 1:
             return format_tool_calls([("lookup", {"key": task})])
         return f"done: {task}"
+
     return policy
 
 

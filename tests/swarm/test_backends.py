@@ -13,8 +13,15 @@ import pytest
 import torch
 
 from kimi_hf import KimiHybridForCausalLM
-from kimi_hf.swarm import (OpenAIBackend, ScriptedBackend, Swarm, SwarmConfig, TransformersBackend,
-                           format_tool_calls, run_single_agent)
+from kimi_hf.swarm import (
+    OpenAIBackend,
+    ScriptedBackend,
+    Swarm,
+    SwarmConfig,
+    TransformersBackend,
+    format_tool_calls,
+    run_single_agent,
+)
 
 from ..models.kimi_hybrid.helpers import tiny_config, tiny_tokenizer
 from .helpers import fan_out_orchestrator, lookup
@@ -25,15 +32,21 @@ def tiny_chat_model():
     # processor_class=KimiHybridProcessor (the server would then build the multimodal processor)
     tok = tiny_tokenizer.__wrapped__()
     torch.manual_seed(0)
-    model = KimiHybridForCausalLM(tiny_config(vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)).eval()
+    model = KimiHybridForCausalLM(
+        tiny_config(
+            vocab_size=len(tok),
+            pad_token_id=tok.pad_token_id,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+    ).eval()
     return model, tok
 
 
 def forcing_bias(tok, text: str) -> dict:
     """generate(sequence_bias=...) that makes an untrained model write `text` and then <|im_end|>."""
     ids = tok(text, add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")]
-    return {tuple(ids[:i + 1]): 100.0 * (i + 1) for i in range(len(ids))}
+    return {tuple(ids[: i + 1]): 100.0 * (i + 1) for i in range(len(ids))}
 
 
 def test_concurrent_subagents_are_batched_and_match_unbatched_generation():
@@ -60,8 +73,12 @@ def test_model_tool_calls_are_parsed_with_the_response_template():
     step = result.trace.events[0]
     assert step["tool_calls"] == ["lookup"]
     assert result.messages[2]["tool_calls"][0]["function"]["arguments"] == {"key": "alpha"}
-    assert result.messages[3] == {"role": "tool", "tool_call_id": "functions.lookup:0", "name": "lookup",
-                                  "content": "value of alpha"}
+    assert result.messages[3] == {
+        "role": "tool",
+        "tool_call_id": "functions.lookup:0",
+        "name": "lookup",
+        "content": "value of alpha",
+    }
     assert result.status == "orchestrator_step_budget"  # the forced model keeps calling
 
 
@@ -83,8 +100,13 @@ def served_model(tmp_path_factory):
     model.save_pretrained(path)
     tok.save_pretrained(path)
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-c", SERVER, path, "--port", str(port), "--device", "cpu", "--dtype", "float32"],
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SERVER, path, "--port", str(port), "--device", "cpu", "--dtype", "float32"],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -121,8 +143,13 @@ def test_http_backend_plain_and_tool_calls(served_model):
     # the server parses the tool call (tokenizer.response_template) into the reply's tool_calls
     text = format_tool_calls([("lookup", {"key": "alpha"})])
     bias = [[list(k), v] for k, v in forcing_bias(tok, text).items()]
-    forced = OpenAIBackend(url, path, max_tokens=40, timeout=60,
-                           generation_config=json.dumps({"max_new_tokens": 40, "do_sample": False, "sequence_bias": bias}))
+    forced = OpenAIBackend(
+        url,
+        path,
+        max_tokens=40,
+        timeout=60,
+        generation_config=json.dumps({"max_new_tokens": 40, "do_sample": False, "sequence_bias": bias}),
+    )
     result = run_single_agent(forced, "find alpha", tools=[lookup], max_steps=2)
     assert result.trace.events[0]["tool_calls"] == ["lookup"]
     assert result.messages[3]["content"] == "value of alpha"
@@ -142,7 +169,9 @@ def test_http_errors_are_backend_errors(served_model):
     assert result.status == "error" and result.error.startswith("BackendError") and "HTTP 4" in result.error
     closed = OpenAIBackend(f"http://127.0.0.1:{_free_port()}/v1", "m", timeout=5)
     result = Swarm(closed).run("x")
-    assert result.status == "error" and "127.0.0.1" in result.error and result.trace.events[-1]["error"] == result.error
+    assert (
+        result.status == "error" and "127.0.0.1" in result.error and result.trace.events[-1]["error"] == result.error
+    )
     # as sub-agents, the same failures are tool errors for the orchestrator
     result = Swarm(ScriptedBackend(fan_out_orchestrator(2)), closed).run("x")
     assert result.status == "finished" and result.metrics["finish_rate"] == 0.0 and "BackendError" in result.answer
@@ -157,8 +186,12 @@ def test_one_transformers_backend_serves_several_event_loops_at_once():
     model, tok = tiny_chat_model()
     backend = TransformersBackend(model, tok, max_new_tokens=3)
     results = []
-    threads = [threading.Thread(target=lambda i=i: results.append(run_single_agent(backend, f"task {i}", max_steps=1, timeout=120)))
-               for i in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: results.append(run_single_agent(backend, f"task {i}", max_steps=1, timeout=120))
+        )
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:

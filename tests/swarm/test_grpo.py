@@ -22,13 +22,28 @@ def test_grpo_trainer_logs_annealed_parl_rewards(tmp_path, monkeypatch):
     for e in trace([4]):
         recorded.add(**e)
     rows = [{"prompt": "collect the items", "solution": "A", "swarm_trace": str(path)}] * 8
-    parl = ParlRewards(perf_fn=lambda answer, solution: float(answer == solution), lambda1=0.4, lambda2=0.2,
-                       anneal_fraction=1.0)
-    args = trl.GRPOConfig(output_dir=str(tmp_path / "out"), max_steps=2, per_device_train_batch_size=4,
-                          num_generations=4, max_completion_length=6, use_cpu=True, report_to=[], logging_steps=1,
-                          save_strategy="no", learning_rate=1e-4)
-    trainer = trl.GRPOTrainer(model=model, reward_funcs=parl.reward_funcs, args=args,
-                              train_dataset=Dataset.from_list(rows), processing_class=tok)
+    parl = ParlRewards(
+        perf_fn=lambda answer, solution: float(answer == solution), lambda1=0.4, lambda2=0.2, anneal_fraction=1.0
+    )
+    args = trl.GRPOConfig(
+        output_dir=str(tmp_path / "out"),
+        max_steps=2,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=6,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-4,
+    )
+    trainer = trl.GRPOTrainer(
+        model=model,
+        reward_funcs=parl.reward_funcs,
+        args=args,
+        train_dataset=Dataset.from_list(rows),
+        processing_class=tok,
+    )
     trainer.train()
     logs = [h for h in trainer.state.log_history if "rewards/r_parallel/mean" in h]
     assert len(logs) == 2

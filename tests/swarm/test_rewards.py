@@ -18,8 +18,15 @@ def trace(widths, finished=None, created=None, answer="A"):
         for _ in range(w):
             run += 1
             events.append({"type": "step", "role": "subagent", "stage": stage, "run": run})
-            events.append({"type": "task", "stage": stage, "run": run, "agent": f"a{run}",
-                           "status": "finished" if run <= finished else "timeout"})
+            events.append(
+                {
+                    "type": "task",
+                    "stage": stage,
+                    "run": run,
+                    "agent": f"a{run}",
+                    "status": "finished" if run <= finished else "timeout",
+                }
+            )
     for i in range(sum(widths) if created is None else created):
         events.append({"type": "create", "agent": f"a{i}", "stage": 0})
     events.append({"type": "final", "status": "finished", "answer": answer, "wall_time": 1.0})
@@ -42,8 +49,8 @@ def test_serial_collapse_scores_low_parallel_reward():
 
 def test_spawned_but_never_finished_scores_low_finish_reward():
     parl = ParlRewards(lambda1=1.0, lambda2=1.0)
-    spawned_idle = trace([], created=6)           # six created, no task ever assigned
-    failing = trace([4], finished=1)              # four runs, three timed out
+    spawned_idle = trace([], created=6)  # six created, no task ever assigned
+    failing = trace([4], finished=1)  # four runs, three timed out
     good = trace([3, 2])
     r_par, r_fin, _ = rewards_of(parl, [spawned_idle, failing, good])
     assert r_fin == [0.0, 0.25, 1.0]
@@ -70,9 +77,17 @@ def test_lambdas_anneal_to_zero_through_trainer_state():
 
 
 def test_jsonl_paths_and_results_are_accepted(tmp_path):
-    result = Swarm(ScriptedBackend([format_tool_calls([("create_subagent", {"name": "a"}),
-                                                        ("assign_task", {"agent": "a", "task": "item 0"})]), "done"]),
-                   ScriptedBackend(worker(steps=1))).run("t", trace_path=tmp_path / "t.jsonl")
+    result = Swarm(
+        ScriptedBackend(
+            [
+                format_tool_calls(
+                    [("create_subagent", {"name": "a"}), ("assign_task", {"agent": "a", "task": "item 0"})]
+                ),
+                "done",
+            ]
+        ),
+        ScriptedBackend(worker(steps=1)),
+    ).run("t", trace_path=tmp_path / "t.jsonl")
     parl = ParlRewards(lambda1=1.0, lambda2=1.0, target_width=2, perf_fn=lambda a: float(a == "done"))
     for source in (str(tmp_path / "t.jsonl"), result, result.trace.events):
         assert [f(["p"], ["c"], swarm_trace=[source])[0] for f in parl.reward_funcs] == [0.5, 1.0, 1.0]
@@ -81,13 +96,32 @@ def test_jsonl_paths_and_results_are_accepted(tmp_path):
 def test_rollout_plays_each_completion_once_for_all_three_functions():
     sub = ScriptedBackend(worker(steps=2))
     orchestrator = ScriptedBackend(lambda m, t: "final answer")  # the turn after the played completion
-    parl = ParlRewards(SwarmRollout(Swarm(orchestrator, sub, tools=[lookup])), perf_fn=lambda a: float(a == "final answer"),
-                       lambda1=1.0, lambda2=1.0, target_width=3)
-    wide = format_tool_calls([("create_subagent", {"name": f"a{i}"}) for i in range(3)]
-                             + [("assign_task", {"agent": f"a{i}", "task": f"item {i}"}) for i in range(3)])
-    conversational = [[{"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "create_subagent", "arguments": {"name": "solo"}}},
-        {"type": "function", "function": {"name": "assign_task", "arguments": '{"agent": "solo", "task": "item 9"}'}}]}]]
+    parl = ParlRewards(
+        SwarmRollout(Swarm(orchestrator, sub, tools=[lookup])),
+        perf_fn=lambda a: float(a == "final answer"),
+        lambda1=1.0,
+        lambda2=1.0,
+        target_width=3,
+    )
+    wide = format_tool_calls(
+        [("create_subagent", {"name": f"a{i}"}) for i in range(3)]
+        + [("assign_task", {"agent": f"a{i}", "task": f"item {i}"}) for i in range(3)]
+    )
+    conversational = [
+        [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"type": "function", "function": {"name": "create_subagent", "arguments": {"name": "solo"}}},
+                    {
+                        "type": "function",
+                        "function": {"name": "assign_task", "arguments": '{"agent": "solo", "task": "item 9"}'},
+                    },
+                ],
+            }
+        ]
+    ]
     prompts = ["question", [{"role": "user", "content": "question"}], "question"]
     completions = [wide] + conversational + ["I answer directly"]
     scores = [f(prompts, completions) for f in parl.reward_funcs]

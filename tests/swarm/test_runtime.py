@@ -4,9 +4,10 @@ import asyncio
 import json
 
 import pytest
-from .helpers import fan_out_orchestrator, lookup, tool_results, worker
 
 from kimi_hf.swarm import ScriptedBackend, Swarm, SwarmConfig, Trace, format_tool_calls, run_single_agent
+
+from .helpers import fan_out_orchestrator, lookup, tool_results, worker
 
 
 def test_fan_out_runs_in_parallel_up_to_the_bound_and_returns_only_final_answers(tmp_path):
@@ -35,7 +36,9 @@ def test_wall_time_reflects_parallel_runs():
     result = Swarm(ScriptedBackend(fan_out_orchestrator(8)), sub, tools=[lookup], max_concurrency=8).run("t")
     # the sub-agents' calls ran at the same time: their traced intervals overlap (a property of the schedule,
     # not of this machine's speed, unlike a bound on the wall time)
-    spans = sorted((e["start"], e["end"]) for e in result.trace.events if e["type"] == "step" and e["role"] == "subagent")
+    spans = sorted(
+        (e["start"], e["end"]) for e in result.trace.events if e["type"] == "step" and e["role"] == "subagent"
+    )
     assert len(spans) == 16
     overlap = max(sum(s <= t < e for s, e in spans) for t, _ in spans)
     assert overlap >= 4, overlap
@@ -53,8 +56,14 @@ def test_failures_timeouts_and_budgets_become_tool_errors():
         if "item 3" in task:
             return format_tool_calls([("no_such_tool", {})])
         return "fine"
-    swarm = Swarm(ScriptedBackend(fan_out_orchestrator(4)), ScriptedBackend(sub_policy), tools=[lookup],
-                  max_subagent_steps=3, subagent_timeout=0.3)
+
+    swarm = Swarm(
+        ScriptedBackend(fan_out_orchestrator(4)),
+        ScriptedBackend(sub_policy),
+        tools=[lookup],
+        max_subagent_steps=3,
+        subagent_timeout=0.3,
+    )
     result = swarm.run("t")
     assert result.status == "finished"
     errors = tool_results(result.messages)[4:]
@@ -68,12 +77,21 @@ def test_failures_timeouts_and_budgets_become_tool_errors():
 
 
 def test_orchestrator_tool_errors_do_not_crash():
-    turns = iter([
-        format_tool_calls([("assign_task", {"agent": "ghost", "task": "x"}), ("create_subagent", {"name": "a"}),
-                           ("create_subagent", {"name": "a"}), ("create_subagent", {}), ("mystery", {}),
-                           ("assign_task", "not json")]),
-        "final",
-    ])
+    turns = iter(
+        [
+            format_tool_calls(
+                [
+                    ("assign_task", {"agent": "ghost", "task": "x"}),
+                    ("create_subagent", {"name": "a"}),
+                    ("create_subagent", {"name": "a"}),
+                    ("create_subagent", {}),
+                    ("mystery", {}),
+                    ("assign_task", "not json"),
+                ]
+            ),
+            "final",
+        ]
+    )
     result = Swarm(ScriptedBackend(lambda m, t: next(turns)), max_subagents=1).run("t")
     errs = tool_results(result.messages)
     assert "no sub-agent named 'ghost'" in errs[0] and errs[1] == "Created sub-agent 'a'."
@@ -99,7 +117,9 @@ def test_budgets_end_the_episode():
     # critical budget 6: turn 1 (1) + runs cut at 4 steps (one step stays reserved for the next turn);
     # turn 2 (6) has no budget left for its runs (tool errors); a turn 3 would be step 7 > 6
     sub = ScriptedBackend(worker(steps=10))
-    result = Swarm(ScriptedBackend(fan_out_orchestrator(2, turns=2)), sub, tools=[lookup], max_critical_steps=6).run("t")
+    result = Swarm(ScriptedBackend(fan_out_orchestrator(2, turns=2)), sub, tools=[lookup], max_critical_steps=6).run(
+        "t"
+    )
     assert result.status == "critical_budget"
     assert result.metrics["critical_steps"] == 6
     tasks = [e for e in result.trace.events if e["type"] == "task"]
@@ -107,8 +127,12 @@ def test_budgets_end_the_episode():
     assert all("critical-step budget is used up" in r for r in tool_results(result.messages)[-2:])
 
     # a run that fits leaves the orchestrator its closing turn: the answer is not thrown away
-    result = Swarm(ScriptedBackend(fan_out_orchestrator(1)), ScriptedBackend(worker(steps=4)), tools=[lookup],
-                   max_critical_steps=6).run("t")
+    result = Swarm(
+        ScriptedBackend(fan_out_orchestrator(1)),
+        ScriptedBackend(worker(steps=4)),
+        tools=[lookup],
+        max_critical_steps=6,
+    ).run("t")
     assert result.status == "finished" and result.answer == "done: item 0 turn 0"
     assert result.metrics["critical_steps"] == 6
 
@@ -147,12 +171,14 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="task"):
         Swarm(backend).run("  ")
     with pytest.raises(ValueError, match="swarm's own tools"):
+
         def create_subagent(name: str):
             """x
 
             Args:
                 name: n
             """
+
         Swarm(backend, orchestrator_tools=[create_subagent])
 
 
@@ -169,8 +195,20 @@ def test_bad_orchestrator_arguments_and_tool_results_are_tool_errors():
             x: anything
         """
         return {(1, 2): x}
-    turns = iter([format_tool_calls([("create_subagent", {"name": "a"}), ("assign_task", {"agent": ["a"], "task": "x"}),
-                                     ("assign_task", {"agent": "a", "task": "item 0"}), ("weird", {"x": 1})]), "end"])
+
+    turns = iter(
+        [
+            format_tool_calls(
+                [
+                    ("create_subagent", {"name": "a"}),
+                    ("assign_task", {"agent": ["a"], "task": "x"}),
+                    ("assign_task", {"agent": "a", "task": "item 0"}),
+                    ("weird", {"x": 1}),
+                ]
+            ),
+            "end",
+        ]
+    )
     sub = ScriptedBackend(worker(steps=1), latency=0.05)
     result = Swarm(ScriptedBackend(lambda m, t: next(turns)), sub, orchestrator_tools=[weird]).run("t")
     assert result.status == "finished" and result.answer == "end"
@@ -182,6 +220,7 @@ def test_bad_orchestrator_arguments_and_tool_results_are_tool_errors():
 def test_timeout_errors_raised_by_a_backend_are_failures_not_timeouts():
     def raises_timeout(messages, tools):
         raise TimeoutError("upstream read timed out")
+
     result = Swarm(ScriptedBackend(fan_out_orchestrator(1)), ScriptedBackend(raises_timeout)).run("t")
     task = next(e for e in result.trace.events if e["type"] == "task")
     assert task["status"] == "failed" and "upstream read timed out" in task["error"]
@@ -191,6 +230,7 @@ def test_timeout_errors_raised_by_a_backend_are_failures_not_timeouts():
 
 def test_a_completion_object_shared_between_agents_is_not_mutated():
     from kimi_hf.swarm import Completion, ToolCall
+
     shared = Completion("", [ToolCall("lookup", {"key": "k"}, "original")])
     backend = ScriptedBackend(lambda m, t: shared if len(m) == 2 else "ok")
     run_single_agent(backend, "a", tools=[lookup])

@@ -8,17 +8,22 @@ from ..models.kimi_hybrid.helpers import tiny_tokenizer
 
 
 def test_kimi_markup_round_trip():
-    text = format_tool_calls([("assign_task", {"agent": "a", "task": "x"}), ("create_subagent", {"name": "b"})], "plan: ")
+    text = format_tool_calls(
+        [("assign_task", {"agent": "a", "task": "x"}), ("create_subagent", {"name": "b"})], "plan: "
+    )
     content, calls = parse_tool_calls(text + "<|im_end|>")
     assert content == "plan:"
     assert [(c.name, c.arguments, c.id) for c in calls] == [
         ("assign_task", {"agent": "a", "task": "x"}, "functions.assign_task:0"),
-        ("create_subagent", {"name": "b"}, "functions.create_subagent:1")]
+        ("create_subagent", {"name": "b"}, "functions.create_subagent:1"),
+    ]
 
 
 def test_hermes_form_and_malformed_arguments():
-    content, calls = parse_tool_calls('ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
-                                      '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>')
+    content, calls = parse_tool_calls(
+        'ok <tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>'
+        '<tool_call>{"name": "g", "arguments": "{\\"y\\": 2}"}</tool_call>'
+    )
     assert content == "ok" and [(c.name, c.arguments) for c in calls] == [("f", {"x": 1}), ("g", {"y": 2})]
     _, calls = parse_tool_calls(format_tool_calls([("f", "{not json")]))
     assert calls[0].arguments == "{not json"
@@ -30,9 +35,11 @@ def test_hermes_form_and_malformed_arguments():
 def test_chat_template_renders_tools_calls_and_results():
     tok = tiny_tokenizer()
     calls = [ToolCall("create_subagent", {"name": "a"}, "functions.create_subagent:0")]
-    messages = [{"role": "user", "content": "go"},
-                {"role": "assistant", "content": "", "tool_calls": [c.to_message() for c in calls]},
-                {"role": "tool", "tool_call_id": calls[0].id, "name": "create_subagent", "content": "Created."}]
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [c.to_message() for c in calls]},
+        {"role": "tool", "tool_call_id": calls[0].id, "name": "create_subagent", "content": "Created."},
+    ]
     text = tok.apply_chat_template(messages, tools=ORCHESTRATOR_TOOLS, tokenize=False, add_generation_prompt=True)
     assert text.startswith("<|im_system|>tool_declare<|im_middle|>[{")
     assert '"name": "assign_task"' in text or '"name":"assign_task"' in text
@@ -53,6 +60,7 @@ def test_tool_schema_from_function():
             limit: at most this many hits.
         """
         return query * limit
+
     tools = as_tools([search])
     assert tools["search"].schema["function"]["parameters"]["required"] == ["query"]
     with pytest.raises(ValueError, match="two tools"):

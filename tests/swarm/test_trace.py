@@ -20,8 +20,11 @@ def test_critical_steps_by_hand():
     events = [step("orchestrator", 0)] + [step("subagent", 0, 1)] * 3 + [step("subagent", 0, 2)] * 5
     events += [task(0, 1), task(0, 2, "timeout")]
     events += [step("orchestrator", 1)] + [step("subagent", 1, 3)] * 2 + [task(1, 3)]
-    events += [step("orchestrator", 2), {"type": "create", "agent": "a", "stage": 0},
-               {"type": "create", "agent": "b", "stage": 0}]
+    events += [
+        step("orchestrator", 2),
+        {"type": "create", "agent": "a", "stage": 0},
+        {"type": "create", "agent": "b", "stage": 0},
+    ]
     events += [{"type": "final", "status": "finished", "answer": "x", "wall_time": 1.5}]
     m = swarm_metrics(events)
     assert m["critical_steps"] == 6 + 3 + 1

@@ -11,11 +11,21 @@ import os
 
 from transformers import GenerationConfig
 
+
 SYSTEM, USER, ASSISTANT, MIDDLE = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"
 TURN_END = "<|im_end|>"  # closes every chat turn: chat generation stops here (as well as at EOS)
-MEDIA_BEGIN, MEDIA_CONTENT, IMAGE_TOKEN, MEDIA_END = "<|media_begin|>", "<|media_content|>", "<|media_pad|>", "<|media_end|>"
+MEDIA_BEGIN, MEDIA_CONTENT, IMAGE_TOKEN, MEDIA_END = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+)
 TOOL_CALLS_BEGIN, TOOL_CALLS_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
-TOOL_CALL_BEGIN, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+TOOL_CALL_BEGIN, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_END = (
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+)
 CHAT_TOKENS = [SYSTEM, USER, ASSISTANT, MIDDLE, TURN_END]
 MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, IMAGE_TOKEN, MEDIA_END]
 TOOL_TOKENS = [TOOL_CALLS_BEGIN, TOOL_CALLS_END, TOOL_CALL_BEGIN, TOOL_CALL_ARGUMENT_BEGIN, TOOL_CALL_END]
@@ -31,8 +41,9 @@ CHAT_TEMPLATE = (
     "{%- macro body(message) -%}"
     "{%- if message['content'] is string -%}{{ message['content'] }}"
     "{%- elif message['content'] -%}{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'image' -%}" + IMAGE_MARKUP +
-    "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
+    "{%- if part['type'] == 'image' -%}"
+    + IMAGE_MARKUP
+    + "{%- elif part['type'] == 'text' -%}{{ part['text'] }}{%- endif -%}"
     "{%- endfor -%}{%- endif -%}"
     "{%- if message['role'] == 'assistant' and message.get('tool_calls') -%}<|tool_calls_section_begin|>"
     "{%- for call in message['tool_calls'] -%}{%- set fn = call['function'] if call.get('function') else call -%}"
@@ -64,7 +75,7 @@ RESPONSE_TEMPLATE = {
     "fields": {
         "tool_calls": {
             "open_pattern": r"\s*(?:<\|tool_calls_section_begin\|>)?\s*<\|tool_call_begin\|>\s*(?:functions\.)?"
-                            r"(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>",
+            r"(?P<name>[^:<\s]+)(?::\d+)?\s*<\|tool_call_argument_begin\|>",
             "close_pattern": r"<\|tool_call_end\|>\s*(?:<\|tool_calls_section_end\|>)?",
             "repeats": True,
             "content": "json",
@@ -102,7 +113,27 @@ def stop_at_turn_end(save_directory, tokenizer) -> None:
         config.save_pretrained(save_directory)
 
 
-__all__ = ["CHAT_TEMPLATE", "RESPONSE_TEMPLATE", "CHAT_TOKENS", "MEDIA_TOKENS", "TOOL_TOKENS", "IMAGE_TOKEN", "IMAGE_MARKUP",
-           "TURN_END", "SYSTEM", "USER", "ASSISTANT", "MIDDLE", "MEDIA_BEGIN", "MEDIA_CONTENT", "MEDIA_END",
-           "TOOL_CALLS_BEGIN", "TOOL_CALLS_END", "TOOL_CALL_BEGIN", "TOOL_CALL_ARGUMENT_BEGIN", "TOOL_CALL_END",
-           "chat_stop_token_ids", "stop_at_turn_end"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "RESPONSE_TEMPLATE",
+    "CHAT_TOKENS",
+    "MEDIA_TOKENS",
+    "TOOL_TOKENS",
+    "IMAGE_TOKEN",
+    "IMAGE_MARKUP",
+    "TURN_END",
+    "SYSTEM",
+    "USER",
+    "ASSISTANT",
+    "MIDDLE",
+    "MEDIA_BEGIN",
+    "MEDIA_CONTENT",
+    "MEDIA_END",
+    "TOOL_CALLS_BEGIN",
+    "TOOL_CALLS_END",
+    "TOOL_CALL_BEGIN",
+    "TOOL_CALL_ARGUMENT_BEGIN",
+    "TOOL_CALL_END",
+    "chat_stop_token_ids",
+    "stop_at_turn_end",
+]

@@ -11,13 +11,25 @@ from __future__ import annotations
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
+
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
 MLP_LAYER_TYPES = ("dense", "sparse")  # SwiGLU, MoE
 ATTN_RESIDUALS = ("none", "block", "full")
 
 # self_attn children that only one mixer kind has (both kinds share q_proj and o_proj)
-_KDA_ONLY = ("k_proj", "v_proj", "q_conv1d", "k_conv1d", "v_conv1d", "f_b_proj", "g_b_proj", "b_proj", "A_log",
-             "dt_bias", "o_norm")
+_KDA_ONLY = (
+    "k_proj",
+    "v_proj",
+    "q_conv1d",
+    "k_conv1d",
+    "v_conv1d",
+    "f_b_proj",
+    "g_b_proj",
+    "b_proj",
+    "A_log",
+    "dt_bias",
+    "o_norm",
+)
 _MLA_ONLY = ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
 
 # Tensor parallelism (docs/parallelism.md). KDA and MLA layers are both `self_attn`, so one rule can cover a
@@ -90,7 +102,9 @@ ATTN_RES_PP_PLAN = {
 
 def kimi_linear_layer_types(num_layers: int) -> list[str]:
     """Kimi Linear's 3:1 pattern: MLA at every 4th layer (1-based 4, 8, ...) and at the last one."""
-    return ["full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention" for i in range(num_layers)]
+    return [
+        "full_attention" if (i + 1) % 4 == 0 or i == num_layers - 1 else "linear_attention" for i in range(num_layers)
+    ]
 
 
 @strict
@@ -185,10 +199,14 @@ class KimiHybridTextConfig(PreTrainedConfig):
                 for name, key in (("linear_attention", "kda_layers"), ("full_attention", "full_attn_layers")):
                     for layer in lac.get(key, []):
                         if not 1 <= layer <= self.num_hidden_layers:
-                            raise ValueError(f"linear_attn_config.{key} lists layer {layer}, outside 1..{self.num_hidden_layers}")
+                            raise ValueError(
+                                f"linear_attn_config.{key} lists layer {layer}, outside 1..{self.num_hidden_layers}"
+                            )
                         types[layer - 1] = name
                 if None in types:
-                    raise ValueError(f"linear_attn_config leaves layers {[i + 1 for i, t in enumerate(types) if t is None]} without a type")
+                    raise ValueError(
+                        f"linear_attn_config leaves layers {[i + 1 for i, t in enumerate(types) if t is None]} without a type"
+                    )
                 self.layer_types = types
             else:
                 self.layer_types = kimi_linear_layer_types(self.num_hidden_layers)
@@ -236,10 +254,24 @@ class KimiHybridTextConfig(PreTrainedConfig):
 
     def _validate(self):
         """Every error names the field at fault."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size", "num_hidden_layers",
-                     "num_attention_heads", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts",
-                     "num_experts_per_tok", "n_group", "topk_group", "linear_num_heads", "linear_head_dim",
-                     "linear_conv_kernel_dim"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "moe_intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "kv_lora_rank",
+            "qk_nope_head_dim",
+            "v_head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+            "n_group",
+            "topk_group",
+            "linear_num_heads",
+            "linear_head_dim",
+            "linear_conv_kernel_dim",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
@@ -248,10 +280,14 @@ class KimiHybridTextConfig(PreTrainedConfig):
         if self.q_lora_rank is not None and self.q_lora_rank < 1:
             raise ValueError(f"q_lora_rank must be None or a positive integer, got {self.q_lora_rank}")
         if not self.mla_use_nope:
-            raise ValueError("mla_use_nope=False (rotary MLA) is not supported: Kimi Linear's MLA uses no positional encoding")
+            raise ValueError(
+                "mla_use_nope=False (rotary MLA) is not supported: Kimi Linear's MLA uses no positional encoding"
+            )
         if self.num_key_value_heads != self.num_attention_heads:
-            raise ValueError(f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
-                             f"({self.num_attention_heads}) for MLA")
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must equal num_attention_heads "
+                f"({self.num_attention_heads}) for MLA"
+            )
         for field, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
             types = getattr(self, field)
             if len(types) != self.num_hidden_layers:
@@ -266,16 +302,26 @@ class KimiHybridTextConfig(PreTrainedConfig):
         if self.topk_group > self.n_group:
             raise ValueError(f"topk_group ({self.topk_group}) > n_group ({self.n_group})")
         if self.num_experts_per_tok > self.topk_group * (self.num_experts // self.n_group):
-            raise ValueError(f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
-                             f"({self.topk_group}) groups")
+            raise ValueError(
+                f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
+                f"({self.topk_group}) groups"
+            )
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the defaults are ids of Kimi's 163840 tokens
             value = getattr(self, name)
             ids = value if isinstance(value, list) else [value]
-            if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
-                   for i in ids):
-                default = " (the default, an id of Kimi's tokenizer)" if value == type(self).__dataclass_fields__[name].default else ""
-                raise ValueError(f"{name} = {value!r}{default} is not a token id of the vocabulary (vocab_size "
-                                 f"{self.vocab_size}): pass your tokenizer's {name}, or None")
+            if any(
+                i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
+                for i in ids
+            ):
+                default = (
+                    " (the default, an id of Kimi's tokenizer)"
+                    if value == type(self).__dataclass_fields__[name].default
+                    else ""
+                )
+                raise ValueError(
+                    f"{name} = {value!r}{default} is not a token id of the vocabulary (vocab_size "
+                    f"{self.vocab_size}): pass your tokenizer's {name}, or None"
+                )
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.attn_residual not in ATTN_RESIDUALS:
@@ -284,8 +330,10 @@ class KimiHybridTextConfig(PreTrainedConfig):
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
             raise ValueError(f"attn_residual_block_size must be None or a positive integer, got {bs!r}")
         if self.attn_residual == "full" and bs not in (None, 1):
-            raise ValueError(f"attn_residual='full' means one sublayer per block: attn_residual_block_size must be "
-                             f"None or 1, got {bs}")
+            raise ValueError(
+                f"attn_residual='full' means one sublayer per block: attn_residual_block_size must be "
+                f"None or 1, got {bs}"
+            )
 
     def attn_residual_blocks(self) -> int | None:
         """Sublayers per depth-attention block, or None for the plain residual."""
@@ -334,19 +382,31 @@ class KimiHybridVisionConfig(PreTrainedConfig):
         self._validate()
 
     def _validate(self):
-        for name in ("patch_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                     "pos_emb_height", "pos_emb_width", "pos_emb_time"):
+        for name in (
+            "patch_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "pos_emb_height",
+            "pos_emb_width",
+            "pos_emb_time",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
-            raise ValueError(f"hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) must be "
-                             "an integer head size divisible by 4 (axial 2D RoPE)")
+            raise ValueError(
+                f"hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) must be "
+                "an integer head size divisible by 4 (axial 2D RoPE)"
+            )
         mk = self.merge_kernel_size
         if len(mk) != 2 or any(not isinstance(m, int) or m < 1 for m in mk):
             raise ValueError(f"merge_kernel_size must be two positive integers, got {mk!r}")
         if self.rope_parameters.get("rope_type", "axial") != "axial":
-            raise ValueError(f"rope_parameters.rope_type must be 'axial', got {self.rope_parameters.get('rope_type')!r}")
+            raise ValueError(
+                f"rope_parameters.rope_type must be 'axial', got {self.rope_parameters.get('rope_type')!r}"
+            )
 
 
 @strict
@@ -395,5 +455,11 @@ class KimiHybridConfig(PreTrainedConfig):
         return self.text_config
 
 
-__all__ = ["KimiHybridTextConfig", "KimiHybridVisionConfig", "KimiHybridConfig", "kimi_linear_layer_types",
-           "LAYER_TYPES", "MLP_LAYER_TYPES"]
+__all__ = [
+    "KimiHybridTextConfig",
+    "KimiHybridVisionConfig",
+    "KimiHybridConfig",
+    "kimi_linear_layer_types",
+    "LAYER_TYPES",
+    "MLP_LAYER_TYPES",
+]

@@ -44,6 +44,7 @@ from transformers.core_model_loading import (
     WeightRenaming,
 )
 
+
 REGISTERED_CLASS = "KimiHybridTextModel"
 
 
@@ -104,7 +105,9 @@ def kimi_linear_mapping() -> list:
         LoadOnlyRenaming(source_patterns=r"\.self_attn\.forget_gate\.", target_patterns=".self_attn."),
         # Moonshot's MoE block (and the dense layer 0, in transformers' save_pretrained spelling)
         LoadOnlyRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
-        LoadOnlyConverter(source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[Flatten()]),
+        LoadOnlyConverter(
+            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[Flatten()]
+        ),
         # transformers' in-memory layout stacks the three short convolutions
         LoadOnlyConverter(
             source_patterns=r"self_attn\.conv1d\.weight",

@@ -48,7 +48,7 @@ class DepthAttentionFunction(torch.autograd.Function):
         vs = _sources(blocks, partial if ctx.has_partial else None)
         dalpha = torch.stack([torch.linalg.vecdot(v, dout) for v in vs])
         dlogit = alpha * (dalpha - (alpha * dalpha).sum(0, keepdim=True))
-        c_w = dlogit * r                                  # d l_i / d v_i = r_i w - (v_i . w) r_i^3 v_i / d
+        c_w = dlogit * r  # d l_i / d v_i = r_i w - (v_i . w) r_i^3 v_i / d
         c_v = -(c_w * dots * r.square()) / d
         dw = torch.zeros_like(w)
         n = blocks.shape[0]
@@ -64,8 +64,9 @@ class DepthAttentionFunction(torch.autograd.Function):
         return dw, None, dblocks, dpartial
 
 
-def depth_attention(w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None = None,
-                    eps: float = 1e-6) -> torch.Tensor:
+def depth_attention(
+    w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
     """w [d], blocks [n, B, T, d] (n >= 1), partial [B, T, d] or None -> [B, T, d] in blocks' dtype."""
     if blocks.dim() < 2 or blocks.shape[0] < 1:
         raise ValueError(f"blocks must be [n >= 1, ..., d], got shape {tuple(blocks.shape)}")
@@ -76,8 +77,9 @@ def depth_attention(w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor
     return DepthAttentionFunction.apply(w, eps, blocks, partial)
 
 
-def depth_attention_weights(w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None = None,
-                            eps: float = 1e-6) -> torch.Tensor:
+def depth_attention_weights(
+    w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None = None, eps: float = 1e-6
+) -> torch.Tensor:
     """[n (+ 1), B, T] fp32 softmax weights over the blocks (and the partial sum, last); no grad needed."""
     dots, r = _logit_parts(_sources(blocks, partial), w.float(), eps)
     return (dots * r).softmax(0)

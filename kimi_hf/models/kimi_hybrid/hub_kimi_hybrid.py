@@ -17,9 +17,13 @@ import os
 import tempfile
 import threading
 
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 _UMASK_LOCK = threading.Lock()
 
+# The one Auto-class table: kimi_hf's import registers every entry with transformers (kimi_hf/__init__.py),
+# saved model configs carry their model type's entries as auto_map (RemoteCodeMixin), and saved processors
+# carry theirs (register_for_auto_class at registration), so remote-code loads find the same classes.
 AUTO_MAPS = {
     "kimi_hybrid_text": {
         "AutoConfig": "configuration_kimi_hybrid.KimiHybridTextConfig",
@@ -35,8 +39,12 @@ AUTO_MAPS = {
         "AutoModel": "modeling_kimi_hybrid_multimodal.KimiHybridModel",
         "AutoModelForCausalLM": "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration",
+        "AutoImageProcessor": "image_processing_kimi_hybrid.KimiHybridImageProcessor",
+        "AutoProcessor": "processing_kimi_hybrid.KimiHybridProcessor",
     },
 }
+# processor classes: saved beside the config in their own files, not in config.json's auto_map
+PROCESSOR_AUTO_CLASSES = ("AutoImageProcessor", "AutoProcessor")
 
 
 def code_files() -> list[str]:
@@ -129,7 +137,9 @@ def model_card(model) -> str:
     total = _count(model)
     vision = _count(getattr(getattr(model, "model", model), "vision_tower", None)) if multimodal else 0
     lines = ["---", "library_name: transformers", "tags:", "- kimi_hf", "- kimi-delta-attention", "- hybrid-attention"]
-    lines += ["- early-fusion", "pipeline_tag: image-text-to-text"] if multimodal else ["pipeline_tag: text-generation"]
+    lines += (
+        ["- early-fusion", "pipeline_tag: image-text-to-text"] if multimodal else ["pipeline_tag: text-generation"]
+    )
     lines += ["---", "", f"# {type(model).__name__}", ""]
     if hasattr(text, "layer_types"):
         n_kda = sum(t == "linear_attention" for t in text.layer_types)
@@ -139,9 +149,13 @@ def model_card(model) -> str:
         lines += [
             "A hybrid decoder in Kimi Linear's layout, built with kimi_hf: Kimi Delta "
             "Attention (linear attention with per-channel forgetting) mixed with MLA full attention, and "
-            "DeepSeek-V3-style MoE feed-forward layers." + (
+            "DeepSeek-V3-style MoE feed-forward layers."
+            + (
                 " Early fusion: a MoonViT vision tower's merged patches are written into the image "
-                "placeholder positions of the token stream." if multimodal else ""),
+                "placeholder positions of the token stream."
+                if multimodal
+                else ""
+            ),
             "",
             f"- parameters: {total:,} total; about {total - idle * n_moe:,} active per token",
             f"- text: {text.num_hidden_layers} layers ({n_kda} KDA, {text.num_hidden_layers - n_kda} MLA), hidden "
@@ -150,31 +164,61 @@ def model_card(model) -> str:
         ]
         if multimodal:
             vc = config.vision_config
-            lines.append(f"- vision: {vision:,} parameters, {vc.num_hidden_layers} layers, hidden {vc.hidden_size}, "
-                         f"patch {vc.patch_size}, {vc.merge_kernel_size[0]}x{vc.merge_kernel_size[1]} merge; image "
-                         f"placeholder id {config.image_token_id}")
+            lines.append(
+                f"- vision: {vision:,} parameters, {vc.num_hidden_layers} layers, hidden {vc.hidden_size}, "
+                f"patch {vc.patch_size}, {vc.merge_kernel_size[0]}x{vc.merge_kernel_size[1]} merge; image "
+                f"placeholder id {config.image_token_id}"
+            )
         lines += ["", "| layer | mixer | feed-forward |", "|---|---|---|"]
-        lines += [f"| {i} | {'KDA' if t == 'linear_attention' else 'MLA'} | {'MoE' if m == 'sparse' else 'dense'} |"
-                  for i, (t, m) in enumerate(zip(text.layer_types, text.mlp_layer_types))]
+        lines += [
+            f"| {i} | {'KDA' if t == 'linear_attention' else 'MLA'} | {'MoE' if m == 'sparse' else 'dense'} |"
+            for i, (t, m) in enumerate(zip(text.layer_types, text.mlp_layer_types))
+        ]
     auto = "AutoModelForImageTextToText" if multimodal else "AutoModelForCausalLM"
     lines += [
-        "", "## Loading", "", "With kimi_hf installed (Triton kernels on CUDA):", "", "```python", "import kimi_hf",
-        f"from transformers import {auto}", f'model = {auto}.from_pretrained("<repo>")', "```", "",
-        "With stock transformers only (this repository's code; the PyTorch KDA path, CPU or GPU):", "", "```python",
-        f"from transformers import {auto}", f'model = {auto}.from_pretrained("<repo>", trust_remote_code=True)', "```", "",
+        "",
+        "## Loading",
+        "",
+        "With kimi_hf installed (Triton kernels on CUDA):",
+        "",
+        "```python",
+        "import kimi_hf",
+        f"from transformers import {auto}",
+        f'model = {auto}.from_pretrained("<repo>")',
+        "```",
+        "",
+        "With stock transformers only (this repository's code; the PyTorch KDA path, CPU or GPU):",
+        "",
+        "```python",
+        f"from transformers import {auto}",
+        f'model = {auto}.from_pretrained("<repo>", trust_remote_code=True)',
+        "```",
+        "",
     ]
     return "\n".join(lines)
 
 
-def upload(folder: str, repo_id: str, token=None, private=None, commit_message: str | None = None,
-           create_pr: bool = False, revision: str | None = None):
+def upload(
+    folder: str,
+    repo_id: str,
+    token=None,
+    private=None,
+    commit_message: str | None = None,
+    create_pr: bool = False,
+    revision: str | None = None,
+):
     """Creates the Hub repo if needed and uploads `folder` as one commit."""
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
     repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message or "Upload model",
-                             create_pr=create_pr, revision=revision)
+    return api.upload_folder(
+        repo_id=repo_id,
+        folder_path=folder,
+        commit_message=commit_message or "Upload model",
+        create_pr=create_pr,
+        revision=revision,
+    )
 
 
 class RemoteCodeMixin:
@@ -182,11 +226,13 @@ class RemoteCodeMixin:
     (transformers' own push would replace the card with an empty template: we upload ourselves)."""
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
-        hub = {k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private", "revision") if k in kwargs}
+        hub = {
+            k: kwargs.pop(k) for k in ("repo_id", "commit_message", "create_pr", "private", "revision") if k in kwargs
+        }
         # the class's model_type: a config read from Moonshot's folder keeps model_type "kimi_linear" (and its auto_map)
         auto_map = AUTO_MAPS.get(type(self.config).model_type)
         if auto_map is not None:
-            self.config.auto_map = dict(auto_map)
+            self.config.auto_map = {k: v for k, v in auto_map.items() if k not in PROCESSOR_AUTO_CLASSES}
         super().save_pretrained(save_directory, *args, **kwargs)
         if not kwargs.get("is_main_process", True) or not os.path.isdir(save_directory):
             return
@@ -197,17 +243,48 @@ class RemoteCodeMixin:
         if not os.path.exists(card):
             atomic_write(card, model_card(self))
         if push_to_hub:
-            upload(str(save_directory), hub.pop("repo_id", os.path.basename(os.path.abspath(save_directory))),
-                   token=kwargs.get("token"), **hub)
+            upload(
+                str(save_directory),
+                hub.pop("repo_id", os.path.basename(os.path.abspath(save_directory))),
+                token=kwargs.get("token"),
+                **hub,
+            )
 
-    def push_to_hub(self, repo_id: str, *, commit_message: str | None = None, private: bool | None = None,
-                    token=None, max_shard_size: int | str = "50GB", create_pr: bool = False, revision: str | None = None,
-                    **kwargs):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        private: bool | None = None,
+        token=None,
+        max_shard_size: int | str = "50GB",
+        create_pr: bool = False,
+        revision: str | None = None,
+        **kwargs,
+    ):
         with tempfile.TemporaryDirectory() as folder:
             self.save_pretrained(folder, max_shard_size=max_shard_size)
-            return upload(folder, repo_id, token=token, private=private, commit_message=commit_message,
-                          create_pr=create_pr, revision=revision)
+            return upload(
+                folder,
+                repo_id,
+                token=token,
+                private=private,
+                commit_message=commit_message,
+                create_pr=create_pr,
+                revision=revision,
+            )
 
 
-__all__ = ["RemoteCodeMixin", "AUTO_MAPS", "atomic_write", "copy_code", "make_temp_dir", "model_card", "normal_mode",
-           "set_normal_mode", "upload", "weight_files"]
+__all__ = [
+    "RemoteCodeMixin",
+    "AUTO_MAPS",
+    "PROCESSOR_AUTO_CLASSES",
+    "atomic_write",
+    "copy_code",
+    "make_temp_dir",
+    "model_card",
+    "normal_mode",
+    "set_normal_mode",
+    "upload",
+    "weight_files",
+]

@@ -42,8 +42,10 @@ def _read_image_file(path, index: int) -> Image.Image:
     if isinstance(path, str) and path.startswith("data:"):
         return _read_data_url(path, index)
     if isinstance(path, str) and path.startswith(("http://", "https://")):
-        raise ValueError(f"images[{index}]: {path!r} is a remote URL; pass a local path, a data: URL or a PIL image "
-                         "(images are not downloaded)")
+        raise ValueError(
+            f"images[{index}]: {path!r} is a remote URL; pass a local path, a data: URL or a PIL image "
+            "(images are not downloaded)"
+        )
     try:
         with Image.open(path) as im:
             im.load()
@@ -69,14 +71,18 @@ def _to_rgb_uint8(image, index: int) -> np.ndarray:
     if isinstance(image, torch.Tensor):
         image = image.detach().cpu().numpy()
     if not isinstance(image, np.ndarray):
-        raise TypeError(f"images[{index}] must be a PIL image, a numpy array, a torch tensor or a path, got {type(image).__name__}")
+        raise TypeError(
+            f"images[{index}] must be a PIL image, a numpy array, a torch tensor or a path, got {type(image).__name__}"
+        )
     arr = image
     if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
         arr = arr.transpose(1, 2, 0)  # channels first -> last
     if arr.ndim == 2:
         arr = arr[..., None]
     if arr.ndim != 3 or arr.shape[-1] not in (1, 3, 4):
-        raise ValueError(f"images[{index}] must be [H, W], [H, W, C] or [C, H, W] with C in 1, 3, 4; got shape {image.shape}")
+        raise ValueError(
+            f"images[{index}] must be [H, W], [H, W, C] or [C, H, W] with C in 1, 3, 4; got shape {image.shape}"
+        )
     if arr.shape[0] == 0 or arr.shape[1] == 0:
         raise ValueError(f"images[{index}] is empty (shape {image.shape})")
     if arr.dtype != np.uint8:
@@ -97,12 +103,24 @@ def _to_rgb_uint8(image, index: int) -> np.ndarray:
 class KimiHybridImageProcessor(BaseImageProcessor):
     model_input_names = ["pixel_values", "image_grid_thw"]
 
-    def __init__(self, patch_size: int = 14, merge_size: int = 2, max_patches: int = 16384, max_patches_per_side: int = 512,
-                 image_mean: tuple[float, ...] = (0.5, 0.5, 0.5), image_std: tuple[float, ...] = (0.5, 0.5, 0.5),
-                 rescale_factor: float = 1 / 255, **kwargs):
+    def __init__(
+        self,
+        patch_size: int = 14,
+        merge_size: int = 2,
+        max_patches: int = 16384,
+        max_patches_per_side: int = 512,
+        image_mean: tuple[float, ...] = (0.5, 0.5, 0.5),
+        image_std: tuple[float, ...] = (0.5, 0.5, 0.5),
+        rescale_factor: float = 1 / 255,
+        **kwargs,
+    ):
         super().__init__(**kwargs)
-        for name, value in (("patch_size", patch_size), ("merge_size", merge_size), ("max_patches", max_patches),
-                            ("max_patches_per_side", max_patches_per_side)):
+        for name, value in (
+            ("patch_size", patch_size),
+            ("merge_size", merge_size),
+            ("max_patches", max_patches),
+            ("max_patches_per_side", max_patches_per_side),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if len(image_mean) != 3 or len(image_std) != 3 or min(image_std) <= 0:
@@ -137,7 +155,9 @@ class KimiHybridImageProcessor(BaseImageProcessor):
             arr = np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC))
         padded = np.zeros((ph, pw, 3), dtype=np.float32)
         padded[:h, :w] = arr
-        x = (padded * self.rescale_factor - np.asarray(self.image_mean, np.float32)) / np.asarray(self.image_std, np.float32)
+        x = (padded * self.rescale_factor - np.asarray(self.image_mean, np.float32)) / np.asarray(
+            self.image_std, np.float32
+        )
         p = self.patch_size
         gh, gw = ph // p, pw // p
         patches = x.reshape(gh, p, gw, p, 3).transpose(0, 2, 4, 1, 3).reshape(gh * gw, 3, p, p)
@@ -157,7 +177,5 @@ class KimiHybridImageProcessor(BaseImageProcessor):
     def __call__(self, images=None, return_tensors: str | None = "pt", **kwargs) -> BatchFeature:
         return self.preprocess(images, return_tensors=return_tensors, **kwargs)
 
-
-KimiHybridImageProcessor.register_for_auto_class("AutoImageProcessor")
 
 __all__ = ["KimiHybridImageProcessor"]

@@ -25,6 +25,7 @@ import warnings
 
 import torch
 
+
 try:  # optional accelerator (kimi_hf_kernels, the repository's kernels/ folder); loads without it
     from kimi_hf_kernels.kda import recurrent_kda as _triton_recurrent_kda
 except ImportError:
@@ -38,6 +39,7 @@ except ImportError:
 from .kda_chunk import CHUNK_SIZE, _chunk_torch
 from .kda_inputs import _check_inputs, _compute_dtype, kda_gate, l2norm
 from .kda_recurrent import _recurrent_torch, naive_recurrent_kda
+
 
 __all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "kda_gate", "CHUNK_SIZE"]
 
@@ -67,19 +69,41 @@ def _select(backend, q, v, triton_impl, torch_impl):
     if q.dtype == torch.float64:  # exact-arithmetic checks (gradcheck) run on the fp64 PyTorch path
         return torch_impl
     if max(q.shape[-1], v.shape[-1]) > _TRITON_MAX_HEAD_DIM:
-        _warn_once("head-dim", f"kimi_hf: the Triton KDA kernels take head dims up to {_TRITON_MAX_HEAD_DIM}; using the PyTorch path")
+        _warn_once(
+            "head-dim",
+            f"kimi_hf: the Triton KDA kernels take head dims up to {_TRITON_MAX_HEAD_DIM}; using the PyTorch path",
+        )
         return torch_impl
     return triton_impl
 
 
-def _run(impl, fused: bool, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-         use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel):
+def _run(
+    impl,
+    fused: bool,
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens,
+    use_qk_l2norm,
+    use_gate_in_kernel,
+    A_log,
+    dt_bias,
+    use_beta_sigmoid_in_kernel,
+):
     """Calls an implementation; the gate activation and sigmoid(beta) are fused into the Triton
     kernels and applied here, in fp32 and differentiably, for the others."""
     kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
     if fused:
-        kw.update(A_log=A_log if use_gate_in_kernel else None, dt_bias=dt_bias if use_gate_in_kernel else None,
-                  use_beta_sigmoid=use_beta_sigmoid_in_kernel)
+        kw.update(
+            A_log=A_log if use_gate_in_kernel else None,
+            dt_bias=dt_bias if use_gate_in_kernel else None,
+            use_beta_sigmoid=use_beta_sigmoid_in_kernel,
+        )
     else:
         if use_gate_in_kernel:
             g = kda_gate(g, A_log, None if dt_bias is None else dt_bias.reshape(-1))
@@ -92,9 +116,24 @@ def _run(impl, fused: bool, q, k, v, g, beta, scale, initial_state, output_final
     return o.to(q.dtype), S
 
 
-def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-              use_qk_l2norm=False, backend=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-              use_beta_sigmoid_in_kernel=False):
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    backend=None,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid_in_kernel=False,
+):
     """Kimi Delta Attention over whole sequences (training, prefill).
 
     Args:
@@ -114,21 +153,75 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     Returns:
         o [B, T, H, V] in q's dtype, and the final state [N, H, K, V] float32 (or None).
     """
-    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias))
+    scale, _ = _check_inputs(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias)
+    )
     impl = _select(backend, q, v, _triton_chunk_kda, _chunk_torch)
-    return _run(impl, impl is _triton_chunk_kda, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    return _run(
+        impl,
+        impl is _triton_chunk_kda,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm,
+        use_gate_in_kernel,
+        A_log,
+        dt_bias,
+        use_beta_sigmoid_in_kernel,
+    )
 
 
-def recurrent_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False, cu_seqlens=None,
-                  use_qk_l2norm=False, backend=None, use_gate_in_kernel=False, A_log=None, dt_bias=None,
-                  use_beta_sigmoid_in_kernel=False):
+def recurrent_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    *,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    backend=None,
+    use_gate_in_kernel=False,
+    A_log=None,
+    dt_bias=None,
+    use_beta_sigmoid_in_kernel=False,
+):
     """Kimi Delta Attention by the token loop: the decode path (one or a few tokens per call,
     state in and out). Same arguments and results as `chunk_kda`."""
-    scale, _ = _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias))
+    scale, _ = _check_inputs(
+        q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias)
+    )
     impl = _select(backend, q, v, _triton_recurrent_kda, _recurrent_torch)
-    if impl is _triton_recurrent_kda and torch.is_grad_enabled() and any(
-            x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias)):
+    if (
+        impl is _triton_recurrent_kda
+        and torch.is_grad_enabled()
+        and any(x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, A_log, dt_bias))
+    ):
         impl = _recurrent_torch  # the fused recurrent kernel is forward-only
-    return _run(impl, impl is _triton_recurrent_kda, q, k, v, g, beta, scale, initial_state, output_final_state,
-                cu_seqlens, use_qk_l2norm, use_gate_in_kernel, A_log, dt_bias, use_beta_sigmoid_in_kernel)
+    return _run(
+        impl,
+        impl is _triton_recurrent_kda,
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        cu_seqlens,
+        use_qk_l2norm,
+        use_gate_in_kernel,
+        A_log,
+        dt_bias,
+        use_beta_sigmoid_in_kernel,
+    )

@@ -6,8 +6,6 @@ matmul per chunk.
 Part of the flat, Hub-copyable model folder: torch only.
 """
 
-from __future__ import annotations
-
 import functools
 
 import torch
@@ -15,6 +13,7 @@ import torch.nn.functional as F
 
 from .kda_inputs import _prepare
 from .kda_recurrent import _initial
+
 
 CHUNK_SIZE = 64
 
@@ -263,8 +262,8 @@ def _local_backward(q, k, v, G2, beta, X, P, WU, S_in, dO, dS_next):
     return dq, dk, dv, dG.flip(2).cumsum(2).flip(2), dbeta
 
 
-class _ChunkKDA(torch.autograd.Function):
-    """Exact chunked KDA with a hand-written backward.
+def _chunk_forward(q, k, v, g, beta, S0, layout: _ChunkLayout, need_grad: bool):
+    """Exact chunked KDA, forward.
 
     Per chunk of C tokens, with G the chunk-local cumsum of g (every exponent used is <= 0):
         A_kk, A_qk: decayed k.k (j < i) and q.k (j <= i) scores, built level by level (see
@@ -275,50 +274,161 @@ class _ChunkKDA(torch.autograd.Function):
         o = (q e^G - A_qk W) S + A_qk U,  S' = M S + N           (S: the state entering the chunk)
     so the only sequential work is one [K, K] x [K, V] matmul per chunk, forward and backward.
     The backward recomputes the level factors instead of storing them (log2(C) times k's size).
-    """
 
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, layout):
-        """q, k, g [Nch, H, C, K] (q scaled); v [Nch, H, C, V]; beta [Nch, H, C, 1]; S0 [N, H, K, V]."""
+    q, k, g [Nch, H, C, K] (q scaled); v [Nch, H, C, V]; beta [Nch, H, C, 1]; S0 [N, H, K, V]. Returns o
+    [Nch, H, C, V], the final states [N, H, K, V] and what the backward needs (G2, X, P, WU, M, Qt, S_in; empty
+    tensors unless need_grad).
+    """
+    Nch, H, C, K = q.shape
+    V = v.shape[-1]
+    G2 = g.cumsum(2).mul_(_LOG2E)
+    new = functools.partial(torch.empty, dtype=q.dtype, device=q.device)
+    M, Nst, Qt, Ut = new(Nch, H, K, K), new(Nch, H, K, V), new(Nch, H, C, K), new(Nch, H, C, V)
+    # X, P and [W | U] are kept for the backward only
+    X, P, WU = (new(Nch, H, C, C), new(Nch, H, C, C), new(Nch, H, C, K + V)) if need_grad else (None,) * 3
+    for sl in _tiles(Nch, H * C * (K + V) * q.element_size()):
+        for dst, src in zip((X, P, WU, M, Nst, Qt, Ut), _local_forward(q[sl], k[sl], v[sl], G2[sl], beta[sl])):
+            if dst is not None:
+                dst[sl] = src
+    S_in, S_final = layout.scan(M, Nst, S0)
+    o = torch.baddbmm(Ut.flatten(0, 1), Qt.flatten(0, 1), S_in.flatten(0, 1)).view_as(Ut)
+    if not need_grad:
+        G2, X, P, WU, M, Qt, S_in = (new(0) for _ in range(7))
+    return o, S_final, G2, X, P, WU, M, Qt, S_in
+
+
+def _chunk_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in, dO, dS_final, layout: _ChunkLayout):
+    """Gradients of `_chunk_forward` w.r.t. q, k, v, g, beta and S0 (dS_final: None for zeros)."""
+    Nch, H, C, K = q.shape
+    dO = dO.contiguous()
+    if dS_final is None:
+        dS_final = q.new_zeros(layout.N, *S_in.shape[1:])
+    # state gradients, last chunk to first: dS_c = M_c^T dS_{c+1} + Qt_c^T dO_c
+    dS_next, dS0 = layout.scan(M.transpose(-1, -2), Qt.transpose(-1, -2) @ dO, dS_final, reverse=True)
+    grads = [torch.empty_like(x) for x in (q, k, v, G2, beta)]
+    for sl in _tiles(Nch, H * C * (K + v.shape[-1]) * q.element_size()):
+        saved = (x[sl] for x in (q, k, v, G2, beta, X, P, WU, S_in, dO, dS_next))
+        for dst, src in zip(grads, _local_backward(*saved)):
+            dst[sl] = src
+    return (*grads, dS0)
+
+
+# torch.compile sees the chunked algorithm as two opaque operators (its in-place work into views and the
+# Python scan over chunks do not trace), with shapes declared below and a registered backward. The names are
+# shared by every copy of this file in a process (the package and Hub remote-code copies): the first wins.
+_OP_NAMESPACE = "kimi_hf"
+
+
+def _define_ops():
+    lib = getattr(torch.ops, _OP_NAMESPACE)
+    if hasattr(lib, "chunk_kda_forward"):
+        return lib.chunk_kda_forward, lib.chunk_kda_backward
+
+    @torch.library.custom_op(f"{_OP_NAMESPACE}::chunk_kda_forward", mutates_args=())
+    def forward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        g: torch.Tensor,
+        beta: torch.Tensor,
+        S0: torch.Tensor,
+        B: int,
+        T: int,
+        cu_seqlens: torch.Tensor | None,
+        need_grad: bool,
+    ) -> tuple[
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+    ]:
+        layout = _ChunkLayout(B, T, q.shape[2], cu_seqlens, q.device)
+        return _chunk_forward(q, k, v, g, beta, S0, layout, need_grad)
+
+    @forward.register_fake
+    def _(q, k, v, g, beta, S0, B, T, cu_seqlens, need_grad):
         Nch, H, C, K = q.shape
         V = v.shape[-1]
-        G2 = g.cumsum(2).mul_(_LOG2E)
-        need_grad = any(ctx.needs_input_grad[:6])
-        new = functools.partial(torch.empty, dtype=q.dtype, device=q.device)
-        M, Nst, Qt, Ut = new(Nch, H, K, K), new(Nch, H, K, V), new(Nch, H, C, K), new(Nch, H, C, V)
-        # X, P and [W | U] are kept for the backward only
-        X, P, WU = (new(Nch, H, C, C), new(Nch, H, C, C), new(Nch, H, C, K + V)) if need_grad else (None,) * 3
-        for sl in _tiles(Nch, H * C * (K + V) * q.element_size()):
-            for dst, src in zip((X, P, WU, M, Nst, Qt, Ut), _local_forward(q[sl], k[sl], v[sl], G2[sl], beta[sl])):
-                if dst is not None:
-                    dst[sl] = src
-        S_in, S_final = layout.scan(M, Nst, S0)
-        o = torch.baddbmm(Ut.flatten(0, 1), Qt.flatten(0, 1), S_in.flatten(0, 1)).view_as(Ut)
-        if need_grad:
-            ctx.save_for_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in)
-            ctx.layout = layout
-        return o, S_final
+        if not need_grad:
+            return (v.new_empty(Nch, H, C, V), S0.new_empty(S0.shape), *(q.new_empty(0) for _ in range(7)))
+        return (
+            v.new_empty(Nch, H, C, V),
+            S0.new_empty(S0.shape),
+            q.new_empty(Nch, H, C, K),  # G2
+            q.new_empty(Nch, H, C, C),  # X
+            q.new_empty(Nch, H, C, C),  # P
+            q.new_empty(Nch, H, C, K + V),  # WU
+            q.new_empty(Nch, H, K, K),  # M
+            q.new_empty(Nch, H, C, K),  # Qt
+            q.new_empty(Nch, H, K, V),  # S_in
+        )
 
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dO, dS_final):
-        q, k, v, G2, beta, X, P, WU, M, Qt, S_in = ctx.saved_tensors
-        layout, (Nch, H, C, K) = ctx.layout, q.shape
-        dO = dO.contiguous()
-        if dS_final is None:
-            dS_final = q.new_zeros(layout.N, *S_in.shape[1:])
-        # state gradients, last chunk to first: dS_c = M_c^T dS_{c+1} + Qt_c^T dO_c
-        dS_next, dS0 = layout.scan(M.transpose(-1, -2), Qt.transpose(-1, -2) @ dO, dS_final, reverse=True)
-        grads = [torch.empty_like(x) for x in (q, k, v, G2, beta)]
-        for sl in _tiles(Nch, H * C * (K + v.shape[-1]) * q.element_size()):
-            saved = (x[sl] for x in (q, k, v, G2, beta, X, P, WU, S_in, dO, dS_next))
-            for dst, src in zip(grads, _local_backward(*saved)):
-                dst[sl] = src
-        return (*grads, dS0, None)
+    @torch.library.custom_op(f"{_OP_NAMESPACE}::chunk_kda_backward", mutates_args=())
+    def backward(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        G2: torch.Tensor,
+        beta: torch.Tensor,
+        X: torch.Tensor,
+        P: torch.Tensor,
+        WU: torch.Tensor,
+        M: torch.Tensor,
+        Qt: torch.Tensor,
+        S_in: torch.Tensor,
+        dO: torch.Tensor,
+        dS_final: torch.Tensor | None,
+        B: int,
+        T: int,
+        cu_seqlens: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        layout = _ChunkLayout(B, T, q.shape[2], cu_seqlens, q.device)
+        return _chunk_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in, dO, dS_final, layout)
+
+    @backward.register_fake
+    def _(q, k, v, G2, beta, X, P, WU, M, Qt, S_in, dO, dS_final, B, T, cu_seqlens):
+        N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # the layout's sequences
+        return (*(torch.empty_like(x) for x in (q, k, v, G2, beta)), q.new_empty(N, *S_in.shape[1:]))
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, g, beta, S0, B, T, cu_seqlens, need_grad = inputs
+        _, _, G2, X, P, WU, M, Qt, S_in = output
+        ctx.save_for_backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in, cu_seqlens)
+        ctx.B, ctx.T, ctx.need_grad = B, T, need_grad
+
+    def backward_rule(ctx, dO, dS_final, *unused):
+        if not ctx.need_grad:
+            raise RuntimeError("chunk_kda: backward through a forward run without gradients (need_grad=False)")
+        q, k, v, G2, beta, X, P, WU, M, Qt, S_in, cu_seqlens = ctx.saved_tensors
+        grads = backward(q, k, v, G2, beta, X, P, WU, M, Qt, S_in, dO, dS_final, ctx.B, ctx.T, cu_seqlens)
+        return (*grads, None, None, None, None)
+
+    forward.register_autograd(backward_rule, setup_context=setup_context)
+    return forward, backward
 
 
-def _chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False, chunk_size=CHUNK_SIZE):
-    """Chunked KDA on [B, T, H, *] inputs: layout, then `_ChunkKDA` (exact, hand-written backward)."""
+_chunk_kda_forward_op, _chunk_kda_backward_op = _define_ops()
+
+
+def _chunk_torch(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    cu_seqlens=None,
+    use_qk_l2norm=False,
+    chunk_size=CHUNK_SIZE,
+):
+    """Chunked KDA on [B, T, H, *] inputs: layout, then `_chunk_forward` (exact, hand-written backward)."""
     if chunk_size < 2 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two >= 2, got {chunk_size}")
     B, T, H, K = q.shape
@@ -326,5 +436,7 @@ def _chunk_torch(q, k, v, g, beta, scale, initial_state, output_final_state, cu_
     layout = _ChunkLayout(B, T, chunk_size, cu_seqlens, q.device)
     q, k, v, g, beta = _prepare(q, k, v, g, beta, scale, use_qk_l2norm)
     chunks = [layout.to_chunks(x) for x in (q, k, v, g, beta.unsqueeze(-1))]
-    o, S = _ChunkKDA.apply(*chunks, _initial(initial_state, layout.N, H, K, V, q), layout)
+    S0 = _initial(initial_state, layout.N, H, K, V, q)
+    need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (*chunks, S0))
+    o, S, *_ = _chunk_kda_forward_op(*chunks, S0, B, T, cu_seqlens, need_grad)
     return layout.from_chunks(o), (S if output_final_state else None)

@@ -11,6 +11,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+
 BACKENDS = (None, "torch", "reference", "triton")
 
 
@@ -59,7 +60,9 @@ def _check_fusions(q, gate_args) -> None:
     H, K = q.shape[2:]
     if not use_gate:
         if A_log is not None or dt_bias is not None:
-            raise ValueError("A_log and dt_bias are only used with use_gate_in_kernel=True (g is then the raw forget input)")
+            raise ValueError(
+                "A_log and dt_bias are only used with use_gate_in_kernel=True (g is then the raw forget input)"
+            )
         return
     for name, x, shapes in (("A_log", A_log, [(H,)]), ("dt_bias", dt_bias, [(H * K,), (H, K)])):
         if x is None and name == "dt_bias":
@@ -67,11 +70,15 @@ def _check_fusions(q, gate_args) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor with use_gate_in_kernel=True, got {type(x).__name__}")
         if tuple(x.shape) not in shapes or not x.is_floating_point() or x.device != q.device:
-            raise ValueError(f"{name} must be a floating-point tensor of shape {' or '.join(map(str, map(list, shapes)))} "
-                             f"on {q.device}, got {x.dtype} {list(x.shape)} on {x.device}")
+            raise ValueError(
+                f"{name} must be a floating-point tensor of shape {' or '.join(map(str, map(list, shapes)))} "
+                f"on {q.device}, got {x.dtype} {list(x.shape)} on {x.device}"
+            )
 
 
-def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, gate_args=(False, None, None)) -> tuple[float, int]:
+def _check_inputs(
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, gate_args=(False, None, None)
+) -> tuple[float, int]:
     """Validates the public arguments; returns (scale, number of sequences N)."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
@@ -107,7 +114,9 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, g
         if not isinstance(cu_seqlens, torch.Tensor):
             raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
         if cu_seqlens.ndim != 1 or cu_seqlens.numel() < 2 or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-            raise ValueError(f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")
+            raise ValueError(
+                f"cu_seqlens must be a 1-D integer tensor [N + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}"
+            )
         if B != 1:
             raise ValueError(f"cu_seqlens requires packed inputs with batch size 1, got B = {B}")
         N = cu_seqlens.numel() - 1
@@ -124,14 +133,18 @@ def _check_inputs(q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, g
     if not gate_args[0] and g.device.type == "cpu" and g.numel() and not _values_unknown(g):
         top = g.detach().max().item()  # a reduction, no [B, T, H, K] temporary; NaN propagates
         if not top <= 0:
-            raise ValueError(f"g must be a log-decay (every value <= 0, no NaN), got a maximum of {top}; pass raw "
-                             "forget inputs with use_gate_in_kernel=True, or compute g with kda_gate")
+            raise ValueError(
+                f"g must be a log-decay (every value <= 0, no NaN), got a maximum of {top}; pass raw "
+                "forget inputs with use_gate_in_kernel=True, or compute g with kda_gate"
+            )
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor):
             raise TypeError(f"initial_state must be a torch.Tensor, got {type(initial_state).__name__}")
         want = (N, H, K, v.shape[-1])
         if tuple(initial_state.shape) != want:
-            raise ValueError(f"initial_state must have shape [N, H, K, V] = {list(want)}, got {list(initial_state.shape)}")
+            raise ValueError(
+                f"initial_state must have shape [N, H, K, V] = {list(want)}, got {list(initial_state.shape)}"
+            )
         # fp64 states are accepted with fp64 inputs only (exact-arithmetic checks such as gradcheck).
         if initial_state.dtype != torch.float32 and not (initial_state.dtype == torch.float64 == q.dtype):
             raise ValueError(f"initial_state must be float32, got {initial_state.dtype}")

@@ -35,7 +35,9 @@ def _initial(initial_state, N, H, K, V, q):
     return initial_state.to(dt)
 
 
-def naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False):
+def naive_recurrent_kda(
+    q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens=None, use_qk_l2norm=False
+):
     """Reference: the token loop in fp32, one sequence at a time (no padding, no chunking)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -48,7 +50,14 @@ def naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, output_final_sta
     S0 = _initial(initial_state, len(spans), H, K, V, q)
     outs, finals = [], []
     for n, (b, s, e) in enumerate(spans):
-        o, S = _token_loop(q[b : b + 1, s:e], k[b : b + 1, s:e], v[b : b + 1, s:e], g[b : b + 1, s:e], beta[b : b + 1, s:e], S0[n : n + 1])
+        o, S = _token_loop(
+            q[b : b + 1, s:e],
+            k[b : b + 1, s:e],
+            v[b : b + 1, s:e],
+            g[b : b + 1, s:e],
+            beta[b : b + 1, s:e],
+            S0[n : n + 1],
+        )
         outs.append(o)
         finals.append(S)
     o = torch.cat(outs, dim=0 if cu_seqlens is None else 1)
@@ -68,7 +77,9 @@ def _recurrent_torch(q, k, v, g, beta, scale, initial_state, output_final_state,
     cu = cu_seqlens.tolist()
     N, L = len(cu) - 1, max(e - s for s, e in zip(cu, cu[1:]))
     src = torch.cat([torch.arange(s, e) for s, e in zip(cu, cu[1:])]).to(q.device)
-    dst = torch.cat([torch.arange(s - cu[n], e - cu[n]) + n * L for n, (s, e) in enumerate(zip(cu, cu[1:]))]).to(q.device)
+    dst = torch.cat([torch.arange(s - cu[n], e - cu[n]) + n * L for n, (s, e) in enumerate(zip(cu, cu[1:]))]).to(
+        q.device
+    )
 
     def pad(x):
         flat = x.new_zeros(N * L, *x.shape[2:]).index_copy(0, dst, x[0].index_select(0, src))

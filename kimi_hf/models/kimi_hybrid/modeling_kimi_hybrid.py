@@ -20,7 +20,11 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
-from transformers.masking_utils import create_causal_mask, create_recurrent_attention_mask, find_packed_sequence_indices
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_recurrent_attention_mask,
+    find_packed_sequence_indices,
+)
 from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import MoeCausalLMOutputWithPast, MoeModelOutputWithPast
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, PreTrainedModel
@@ -31,10 +35,11 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
+from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .depth_attention import depth_attention, depth_attention_weights
 from .hub_kimi_hybrid import RemoteCodeMixin
-from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .kda import chunk_kda, recurrent_kda
+
 
 # from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,
 # block_sparse_moe, A_log [1, 1, H, 1]); save_pretrained writes ours
@@ -42,16 +47,27 @@ _register_conversion_mapping()
 
 # PEFT LoRA targets recommended for the hybrid model: the KDA and MLA projections and the dense /
 # shared-expert SwiGLUs (routed experts are stacked parameters, not nn.Linear).
-LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                       "gate_proj", "up_proj", "down_proj"]
+LORA_TARGET_MODULES = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+]
 
 # Up to this many new tokens on top of a longer cache, MLA attends over the latent (absorbed form).
 _ABSORBED_MAX_TOKENS = 16
 # Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
 _RECURRENT_MAX_TOKENS = 8
-_ATTN_RES_PP_ERROR = ("Attention Residuals under pipeline parallelism: transformers' pipeline passes one tensor "
-                      "between stages, but these layers pass the partial sum and the completed depth blocks (see "
-                      "config.base_model_pp_plan); use tensor / expert parallelism, or attn_residual='none'")
+_ATTN_RES_PP_ERROR = (
+    "Attention Residuals under pipeline parallelism: transformers' pipeline passes one tensor "
+    "between stages, but these layers pass the partial sum and the completed depth blocks (see "
+    "config.base_model_pp_plan); use tensor / expert parallelism, or attn_residual='none'"
+)
 
 
 class KeepFP32Mixin:
@@ -131,7 +147,9 @@ class PackedSequences:
         return cls(pos_in_doc, cu_seqlens, last_doc)
 
 
-def short_conv(x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None = None, pos_in_doc: torch.Tensor | None = None):
+def short_conv(
+    x: torch.Tensor, weight: torch.Tensor, left: torch.Tensor | None = None, pos_in_doc: torch.Tensor | None = None
+):
     """Depthwise causal convolution followed by SiLU.
 
     x [B, T, D]; weight [D, 1, W] (tap W-1 multiplies the current token); left [B, W-1, D]: the inputs
@@ -165,9 +183,9 @@ class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
 
 class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
     """Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692):
-        q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
-        g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
-        o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
+    q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
+    g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
+    o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
     """
 
     qk_clip_exempt = True  # q and k are L2-normalised: logits are bounded by the scale, no QK-Clip
@@ -206,8 +224,14 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             cache.update_conv_state(mixed.transpose(1, 2), self.layer_idx, conv_kernel_size=self.conv_size - 1)
         return out
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: Cache | None = None, packed: PackedSequences | None = None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        packed: PackedSequences | None = None,
+        **kwargs,
+    ):
         if attention_mask is not None:  # 2D padding mask: padded tokens become no-ops (k = v = 0)
             hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
         B, T, _ = hidden_states.shape
@@ -217,8 +241,13 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         # KDA op (fused into the Triton kernels on CUDA, in fp32 torch on CPU)
         f = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
         beta = self.b_proj(hidden_states)
-        fused = dict(use_qk_l2norm=True, use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias,
-                     use_beta_sigmoid_in_kernel=True)
+        fused = dict(
+            use_qk_l2norm=True,
+            use_gate_in_kernel=True,
+            A_log=self.A_log,
+            dt_bias=self.dt_bias,
+            use_beta_sigmoid_in_kernel=True,
+        )
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
         keep = past_key_values is not None
         if packed is not None:  # documents as variable-length sequences of one flattened row
@@ -235,9 +264,16 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
 
 
-def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                            **kwargs):
+def eager_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
     """query [B, H, T, D], key/value [B, H or fewer (GQA), S, D] -> output [B, T, H, Dv], weights
     [B, H, T, S]. attention_mask: additive float or boolean (True = attend)."""
     if key.shape[1] != query.shape[1]:
@@ -246,43 +282,12 @@ def eager_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     scores = torch.matmul(query, key.transpose(2, 3)) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
     if attention_mask is not None:
         mask = attention_mask[..., : key.shape[2]]
-        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+        scores = (
+            scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool else scores + mask
+        )
     weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = F.dropout(weights, p=dropout, training=module.training)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
-
-
-def attention_max_logits(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float,
-                         block: int = 256) -> torch.Tensor:
-    """Exact per-head max over batch, queries and allowed keys of scaling * q.k, in row blocks and
-    without gradient (QK-Clip's record). query [B, H, T, D], key [B, H, S, D]; attention_mask:
-    additive float or boolean (True = attend), or None for a causal mask."""
-    with torch.no_grad():
-        B, H, T, _ = query.shape
-        S = key.shape[2]
-        best = torch.full((H,), float("-inf"), device=query.device)
-        for start in range(0, T, block):
-            q = query[:, :, start : start + block].float()
-            s = torch.matmul(q, key.float().transpose(-1, -2)) * scaling
-            if attention_mask is not None:
-                m = attention_mask[..., start : start + block, :S]
-                s = s.masked_fill(~m, float("-inf")) if m.dtype == torch.bool else s + m.float()
-            else:
-                rows = torch.arange(start, start + q.shape[2], device=q.device)[:, None] + (S - T)
-                s = s.masked_fill(torch.arange(S, device=q.device)[None, :] > rows, float("-inf"))
-            best = torch.maximum(best, s.amax(dim=(0, 2, 3)))
-        return best
-
-
-def sdpa_cpu_with_lse(query, key, value, attention_mask, scaling):
-    """CPU fused attention that also returns the row log-sum-exp [B, H, T] (free upper bound of
-    the max logit: max <= lse <= max + log(keys)). Returns output [B, T, H, Dv] and lse."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool:  # the kernel takes additive masks
-        attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-            ~attention_mask, torch.finfo(query.dtype).min)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        query, key, value, 0.0, attention_mask is None and query.shape[2] > 1, attn_mask=attention_mask, scale=scaling)
-    return out.transpose(1, 2), lse
 
 
 class KimiHybridMLA(nn.Module):
@@ -309,19 +314,22 @@ class KimiHybridMLA(nn.Module):
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=config.attention_bias)
             self.q_a_layernorm = KimiHybridRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
+        )
         self.kv_a_layernorm = KimiHybridRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.kv_b_proj = nn.Linear(
+            self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
+        )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.attention_bias)
         self.scaling = self.qk_head_dim**-0.5
-        self.max_logit_recorder = None  # set by kimi_hf.optim.QKClip: per-head max logits in training
 
     @torch.no_grad()
     def apply_qk_clip(self, gamma: torch.Tensor) -> None:
         """QK-Clip for MLA: head h's logits scale by gamma[h]. Its q-nope rows and the k-nope rows of
         kv_b_proj scale by sqrt(gamma), its rope query rows by gamma; the rope key, shared by all
         heads, is never touched. gamma: one factor per head of the model, or per local head (tensor parallelism:
-        the heads this rank's shard holds, which are the heads its max-logit recorder saw)."""
+        the heads this rank's shard holds). kimi_hf.optim.QKClip records the max logits (an attention wrapper)."""
         H, nope, rope, v = gamma.shape[0], self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
         gamma = gamma.float()
         root = gamma.sqrt()[:, None]
@@ -381,40 +389,46 @@ class KimiHybridMLA(nn.Module):
         out = torch.einsum("bhtr,hvr->bthv", torch.matmul(probs, latent), w_v)
         return out
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                past_key_values: Cache | None = None, **kwargs):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Cache | None = None,
+        **kwargs,
+    ):
         B, T, _ = hidden_states.shape
         query = self.project_query(hidden_states)
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+        )
         latent = self.kv_a_layernorm(latent).view(B, 1, T, self.kv_lora_rank)
         k_rope = k_rope.view(B, 1, T, self.qk_rope_head_dim)
         if past_key_values is not None:  # the cache stores the compressed latent, not per-head keys
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
             # absorbed decoding reads kv_b_proj's weight directly: not for a LoRA-wrapped kv_b_proj, nor under
             # accelerate's offload hooks (they load a weight only when its module is called)
-            if T <= _ABSORBED_MAX_TOKENS < latent.shape[2] and type(self.kv_b_proj) is nn.Linear \
-                    and not hasattr(self.kv_b_proj, "_hf_hook") and not kwargs.get("output_attentions"):
+            if (
+                T <= _ABSORBED_MAX_TOKENS < latent.shape[2]
+                and type(self.kv_b_proj) is nn.Linear
+                and not hasattr(self.kv_b_proj, "_hf_hook")
+                and not kwargs.get("output_attentions")
+            ):
                 filled = past_key_values.layers[self.layer_idx].get_seq_length()
                 out = self.absorbed_attention(query, latent, k_rope, attention_mask, filled)
                 return self.o_proj(out.reshape(B, T, -1)), None
         key, value = self.expand_latent(latent, k_rope)
         impl = self.config._attn_implementation
         # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
-        # fall back to the math path (5x slower on CPU at T=2048): pad v with zeros, slice after.
-        pad = self.qk_head_dim - self.v_head_dim if impl == "sdpa" else 0
+        # fall back to the math path (5x slower on CPU at T=2048): pad v with zeros, slice after (flash
+        # kernels need it too; only eager, which materialises the scores, gains nothing).
+        pad = self.qk_head_dim - self.v_head_dim if impl != "eager" else 0
         if pad > 0:
             value = F.pad(value, (0, pad))
-        record = self.training and self.max_logit_recorder is not None
         dropout = 0.0 if not self.training else self.attention_dropout
-        if record and impl == "sdpa" and query.device.type == "cpu" and not dropout:
-            out, lse = sdpa_cpu_with_lse(query, key, value, attention_mask, self.scaling)
-            self.max_logit_recorder.record(self, lse.detach().amax(dim=(0, 2)))
-            weights = None
-        else:
-            if record:
-                self.max_logit_recorder.record(self, attention_max_logits(query, key, attention_mask, self.scaling))
-            attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
-            out, weights = attention(self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs)
+        attention: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(impl, eager_attention_forward)
+        out, weights = attention(
+            self, query, key, value, attention_mask, dropout=dropout, scaling=self.scaling, **kwargs
+        )
         if pad > 0:
             out = out[..., : self.v_head_dim]
         return self.o_proj(out.reshape(B, T, -1)), weights
@@ -460,7 +474,9 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
             keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
-            choice = choice.masked_fill(~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf"))
+            choice = choice.masked_fill(
+                ~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf")
+            )
         return scores, choice.topk(self.top_k, dim=-1).indices
 
     def forward(self, x: torch.Tensor):
@@ -530,8 +546,11 @@ class KimiHybridMoE(nn.Module):
         super().__init__()
         self.gate = KimiHybridRouter(config)
         self.experts = KimiHybridExperts(config)
-        self.shared_experts = (KimiHybridMLP(config, config.moe_intermediate_size * config.n_shared_experts)
-                               if config.n_shared_experts else None)
+        self.shared_experts = (
+            KimiHybridMLP(config, config.moe_intermediate_size * config.n_shared_experts)
+            if config.n_shared_experts
+            else None
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
@@ -577,8 +596,9 @@ class KimiHybridDepthAttention(nn.Module):
         return depth_attention(self._w(), blocks, partial, self.key_norm.variance_epsilon)
 
 
-def push_depth_output(partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int,
-                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def push_depth_output(
+    partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """After sublayer `sublayer`: its output opens a new partial sum when a block starts (the old one
     then joins the completed blocks: one copy per block, not per sublayer), else it accumulates."""
     if sublayer == 0:
@@ -600,19 +620,29 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
             self.attn_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
             self.mlp_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.layer_type = config.layer_types[layer_idx]
-        self.self_attn = (KimiHybridMLA(config, layer_idx) if self.layer_type == "full_attention"
-                          else KimiDeltaAttention(config, layer_idx))
+        self.self_attn = (
+            KimiHybridMLA(config, layer_idx)
+            if self.layer_type == "full_attention"
+            else KimiDeltaAttention(config, layer_idx)
+        )
         self.mlp = KimiHybridMoE(config) if config.mlp_layer_types[layer_idx] == "sparse" else KimiHybridMLP(config)
         self.input_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, depth_blocks: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None,
-                past_key_values: Cache | None = None, packed: PackedSequences | None = None,
-                **kwargs: Unpack[TransformersKwargs]):
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        depth_blocks: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        packed: PackedSequences | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ):
         """hidden_states [B, T, d] -> [B, T, d]; with Attention Residuals (partial sum, completed
         blocks [n, B, T, d]) -> the same pair after this layer's two sublayers (both positional, so
         that gradient checkpointing propagates gradients to both)."""
+
         def mix(h):
             h = self.input_layernorm(h)
             if self.layer_type == "full_attention":
@@ -641,12 +671,16 @@ def check_parallel_layout(text_config: KimiHybridTextConfig, tp_plan: dict[str, 
         return
     plan = {**tp_plan, **(override if isinstance(override, dict) else {})}
     sharded = {key.rsplit(".", 1)[-1] for key, style in plan.items() if "self_attn." in key and style == "colwise"}
-    for proj, field, layer_type in (("k_proj", "linear_num_heads", "linear_attention"),
-                                    ("kv_b_proj", "num_attention_heads", "full_attention")):
+    for proj, field, layer_type in (
+        ("k_proj", "linear_num_heads", "linear_attention"),
+        ("kv_b_proj", "num_attention_heads", "full_attention"),
+    ):
         heads = getattr(text_config, field)
         if proj in sharded and layer_type in text_config.layer_types and heads % tp:
-            raise ValueError(f"{field} ({heads}) must be divisible by tp_size ({tp}): the TP plan shards "
-                             f"{layer_type} layers by head (or pass DistributedConfig(tp_plan=...) replicating them)")
+            raise ValueError(
+                f"{field} ({heads}) must be divisible by tp_size ({tp}): the TP plan shards "
+                f"{layer_type} layers by head (or pass DistributedConfig(tp_plan=...) replicating them)"
+            )
 
 
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -661,8 +695,15 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _is_stateful = True
     # decays, gates, short convs and the router stay fp32 under from_pretrained(dtype=bf16 / fp16), as
     # Kimi-Linear's checkpoints store them (model.to(dtype) keeps them too: KeepFP32Mixin)
-    _keep_in_fp32_modules_strict = ["A_log", "dt_bias", "q_conv1d", "k_conv1d", "v_conv1d", "e_score_correction_bias",
-                                    "gate.weight"]
+    _keep_in_fp32_modules_strict = [
+        "A_log",
+        "dt_bias",
+        "q_conv1d",
+        "k_conv1d",
+        "v_conv1d",
+        "e_score_correction_bias",
+        "gate.weight",
+    ]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiHybridRouter, index=0),
         "hidden_states": KimiHybridDecoderLayer,
@@ -711,10 +752,17 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
 
     @merge_with_config_defaults
     @capture_outputs
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, cache: Cache | None = None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
         past_key_values = cache if cache is not None else past_key_values  # transformers >= 5.24 says `cache`
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
@@ -749,18 +797,33 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         layer_types = self.config.layer_types
         if self.config.attn_residual_blocks() is None:
             for layer, layer_type in zip(self.layers, layer_types):
-                hidden_states = layer(hidden_states, None, attention_mask=masks[layer_type],
-                                      position_ids=position_ids, past_key_values=past_key_values, packed=packed, **kwargs)
+                hidden_states = layer(
+                    hidden_states,
+                    None,
+                    attention_mask=masks[layer_type],
+                    position_ids=position_ids,
+                    past_key_values=past_key_values,
+                    packed=packed,
+                    **kwargs,
+                )
         else:  # depth sources: the embedding as block 0; the partial sum starts empty
             if any(not isinstance(layer, KimiHybridDecoderLayer) for layer in self.layers):
                 raise NotImplementedError(_ATTN_RES_PP_ERROR)
             blocks = inputs_embeds[None]
             for layer, layer_type in zip(self.layers, layer_types):
-                hidden_states, blocks = layer(hidden_states, blocks, attention_mask=masks[layer_type],
-                                              position_ids=position_ids, past_key_values=past_key_values,
-                                              packed=packed, **kwargs)
+                hidden_states, blocks = layer(
+                    hidden_states,
+                    blocks,
+                    attention_mask=masks[layer_type],
+                    position_ids=position_ids,
+                    past_key_values=past_key_values,
+                    packed=packed,
+                    **kwargs,
+                )
             hidden_states = self.final_res(blocks, hidden_states)
-        return MoeModelOutputWithPast(last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values))
+        return MoeModelOutputWithPast(
+            last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values)
+        )
 
 
 def _cache_field(output_cls, cache) -> dict:
@@ -819,24 +882,48 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         self.post_init()
 
     @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, output_router_logits: bool | None = None,
-                logits_to_keep: int | torch.Tensor = 0, cache: Cache | None = None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
         past_key_values = cache if cache is not None else past_key_values
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
         outputs: MoeModelOutputWithPast = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache,
-            output_router_logits=output_router_logits, **kwargs)
-        return lm_output(self, outputs, self.config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs)
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        return lm_output(
+            self, outputs, self.config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs
+        )
 
 
-def lm_output(model: PreTrainedModel, outputs: MoeModelOutputWithPast, text_config: KimiHybridTextConfig, labels,
-              attention_mask, logits_to_keep, output_router_logits: bool, **kwargs) -> MoeCausalLMOutputWithPast:
+def lm_output(
+    model: PreTrainedModel,
+    outputs: MoeModelOutputWithPast,
+    text_config: KimiHybridTextConfig,
+    labels,
+    attention_mask,
+    logits_to_keep,
+    output_router_logits: bool,
+    **kwargs,
+) -> MoeCausalLMOutputWithPast:
     """The language-model head on a decoder's outputs: logits (of the last `logits_to_keep` positions),
     the shifted cross-entropy when labels are given, plus the weighted router load-balancing loss
     when `output_router_logits`. Shared by the text-only and the multimodal models."""
@@ -850,9 +937,16 @@ def lm_output(model: PreTrainedModel, outputs: MoeModelOutputWithPast, text_conf
         aux_loss = router_load_balancing_loss(outputs.router_logits, routers, attention_mask)
         if loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=logits, hidden_states=outputs.hidden_states,
-                                     attentions=outputs.attentions, router_logits=outputs.router_logits,
-                                     **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)))
+    return MoeCausalLMOutputWithPast(
+        loss=loss,
+        aux_loss=aux_loss,
+        logits=logits,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+        router_logits=outputs.router_logits,
+        **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)),
+    )
+
 
 __all__ = [
     "LORA_TARGET_MODULES",

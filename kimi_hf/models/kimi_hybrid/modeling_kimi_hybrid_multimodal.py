@@ -40,8 +40,11 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         vc = config.vision_config
         self.vision_tower = KimiHybridVisionModel._from_config(vc)
         self.mm_projector = KimiHybridMultimodalProjector(
-            vc.hidden_size, vc.merge_kernel_size[0] * vc.merge_kernel_size[1], config.text_config.hidden_size,
-            config.projection_layer_norm_eps)
+            vc.hidden_size,
+            vc.merge_kernel_size[0] * vc.merge_kernel_size[1],
+            config.text_config.hidden_size,
+            config.projection_layer_norm_eps,
+        )
         self.language_model = KimiHybridTextModel._from_config(config.text_config)
         self.post_init()
 
@@ -52,8 +55,9 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         self.language_model.set_input_embeddings(value)
 
     @can_return_tuple
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor,
-                           **kwargs: Unpack[TransformersKwargs]) -> tuple | BaseModelOutputWithPooling:
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> tuple | BaseModelOutputWithPooling:
         """pixel_values [N, 3, p, p], image_grid_thw [I, 3] -> the vision tower's output (last_hidden_state
         [N, D]; hidden_states / attentions when asked with output_hidden_states / output_attentions) whose
         pooler_output is, as in transformers' kimi_k25, a tuple with one [h w / (kh kw), text hidden]
@@ -64,8 +68,12 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         vision.pooler_output = torch.split(features, (image_grid_thw[:, 1:].prod(-1) // (kh * kw)).tolist())
         return vision
 
-    def get_placeholder_mask(self, input_ids: torch.LongTensor | None, inputs_embeds: torch.Tensor,
-                             image_features: torch.Tensor | None = None) -> torch.Tensor:
+    def get_placeholder_mask(
+        self,
+        input_ids: torch.LongTensor | None,
+        inputs_embeds: torch.Tensor,
+        image_features: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """[B, T, 1] bool: the image placeholder positions, from input_ids or, without them, the positions of
         inputs_embeds equal (in every dimension) to the embedding of `image_token_id`. With image_features
         [n, hidden], checks that there is one placeholder per feature."""
@@ -77,18 +85,28 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
             mask = input_ids == self.config.image_token_id
         mask = mask[..., None].to(inputs_embeds.device)
         if image_features is not None:
-            self._check_placeholder_count(mask, image_features, "input_ids" if input_ids is not None else "inputs_embeds")
+            self._check_placeholder_count(
+                mask, image_features, "input_ids" if input_ids is not None else "inputs_embeds"
+            )
         return mask
 
     def _check_placeholder_count(self, mask: torch.Tensor, image_features: torch.Tensor, source: str):
         n_slots, n_features = int(mask.sum()), image_features.shape[0]
         if n_slots != n_features:  # never shift text against images silently
-            raise ValueError(f"{source} hold {n_slots} image placeholder tokens but the images give {n_features} features "
-                             f"(one per merged patch group; placeholder id {self.config.image_token_id}): the processor "
-                             "expands each image placeholder to h * w / merge^2 tokens")
+            raise ValueError(
+                f"{source} hold {n_slots} image placeholder tokens but the images give {n_features} features "
+                f"(one per merged patch group; placeholder id {self.config.image_token_id}): the processor "
+                "expands each image placeholder to h * w / merge^2 tokens"
+            )
 
-    def embed(self, input_ids: torch.LongTensor | None, pixel_values: torch.Tensor | None,
-              image_grid_thw: torch.Tensor | None, decoding: bool, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    def embed(
+        self,
+        input_ids: torch.LongTensor | None,
+        pixel_values: torch.Tensor | None,
+        image_grid_thw: torch.Tensor | None,
+        decoding: bool,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Token embeddings (or the given inputs_embeds) with the image features written into the placeholder
         positions."""
         if inputs_embeds is None:
@@ -96,8 +114,10 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
             inputs_embeds = self.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
             if pixel_values is None:
                 if not decoding and (n_slots := int(is_image.sum())):  # decoding: the images are in the cache already
-                    raise ValueError(f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
-                                     "but no pixel_values were given")
+                    raise ValueError(
+                        f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
+                        "but no pixel_values were given"
+                    )
                 return inputs_embeds
         elif pixel_values is None:
             return inputs_embeds
@@ -111,18 +131,33 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         return inputs_embeds.masked_scatter(mask, features.to(inputs_embeds.device, inputs_embeds.dtype))
 
     @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor | None = None, pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, use_cache: bool | None = None, cache: Cache | None = None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeModelOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        use_cache: bool | None = None,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeModelOutputWithPast:
         past_key_values = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        inputs_embeds = self.embed(input_ids, pixel_values, image_grid_thw, _cached_length(past_key_values) > 0,
-                                   inputs_embeds=inputs_embeds)
-        return self.language_model(inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-                                   past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+        inputs_embeds = self.embed(
+            input_ids, pixel_values, image_grid_thw, _cached_length(past_key_values) > 0, inputs_embeds=inputs_embeds
+        )
+        return self.language_model(
+            inputs_embeds=inputs_embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            **kwargs,
+        )
 
 
 class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, GenerationMixin):
@@ -142,26 +177,46 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
     def set_input_embeddings(self, value):
         self.model.set_input_embeddings(value)
 
-    def get_image_features(self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor,
-                           **kwargs: Unpack[TransformersKwargs]) -> tuple | BaseModelOutputWithPooling:
+    def get_image_features(
+        self, pixel_values: torch.Tensor, image_grid_thw: torch.LongTensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> tuple | BaseModelOutputWithPooling:
         return self.model.get_image_features(pixel_values, image_grid_thw, **kwargs)
 
     @can_return_tuple
-    def forward(self, input_ids: torch.LongTensor | None = None, pixel_values: torch.Tensor | None = None,
-                image_grid_thw: torch.LongTensor | None = None, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.LongTensor | None = None, past_key_values: Cache | None = None,
-                inputs_embeds: torch.Tensor | None = None, labels: torch.LongTensor | None = None,
-                use_cache: bool | None = None, output_router_logits: bool | None = None,
-                logits_to_keep: int | torch.Tensor = 0, cache: Cache | None = None,
-                **kwargs: Unpack[TransformersKwargs]) -> MoeCausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.LongTensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        image_grid_thw: torch.LongTensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Cache | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        labels: torch.LongTensor | None = None,
+        use_cache: bool | None = None,
+        output_router_logits: bool | None = None,
+        logits_to_keep: int | torch.Tensor = 0,
+        cache: Cache | None = None,
+        **kwargs: Unpack[TransformersKwargs],
+    ) -> MoeCausalLMOutputWithPast:
         text_config = self.config.text_config
         if output_router_logits is None:
             output_router_logits = text_config.output_router_logits
-        outputs = self.model(input_ids=input_ids, pixel_values=pixel_values, image_grid_thw=image_grid_thw,
-                             attention_mask=attention_mask, position_ids=position_ids,
-                             past_key_values=cache if cache is not None else past_key_values, inputs_embeds=inputs_embeds,
-                             use_cache=use_cache, output_router_logits=output_router_logits, **kwargs)
-        return lm_output(self, outputs, text_config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs)
+        outputs = self.model(
+            input_ids=input_ids,
+            pixel_values=pixel_values,
+            image_grid_thw=image_grid_thw,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache if cache is not None else past_key_values,
+            inputs_embeds=inputs_embeds,
+            use_cache=use_cache,
+            output_router_logits=output_router_logits,
+            **kwargs,
+        )
+        return lm_output(
+            self, outputs, text_config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs
+        )
 
 
 __all__ = ["KimiHybridModel", "KimiHybridForConditionalGeneration", "KimiHybridMultimodalPreTrainedModel"]

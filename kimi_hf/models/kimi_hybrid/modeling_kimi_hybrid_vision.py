@@ -23,13 +23,19 @@ from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import eager_attention_forward
 
 
-def check_grid(pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: tuple[int, int]) -> list[tuple[int, int, int]]:
+def check_grid(
+    pixel_values: torch.Tensor, grid_thw: torch.Tensor, merge: tuple[int, int]
+) -> list[tuple[int, int, int]]:
     """Validates grid_thw against pixel_values; returns the rows as Python ints."""
     if not isinstance(grid_thw, torch.Tensor) or grid_thw.ndim != 2 or grid_thw.shape[1] != 3:
-        raise ValueError(f"image_grid_thw must be an integer tensor [num_images, 3], got {getattr(grid_thw, 'shape', grid_thw)}")
+        raise ValueError(
+            f"image_grid_thw must be an integer tensor [num_images, 3], got {getattr(grid_thw, 'shape', grid_thw)}"
+        )
     rows = [tuple(int(x) for x in r) for r in grid_thw.tolist()]
     if any(min(r) < 1 or r[1] % merge[0] or r[2] % merge[1] for r in rows):
-        raise ValueError(f"image_grid_thw rows must be positive with h, w divisible by the merge kernel {merge}, got {rows}")
+        raise ValueError(
+            f"image_grid_thw rows must be positive with h, w divisible by the merge kernel {merge}, got {rows}"
+        )
     total = sum(t * h * w for t, h, w in rows)
     if pixel_values.shape[0] != total:
         raise ValueError(f"pixel_values has {pixel_values.shape[0]} patches but image_grid_thw describes {total}")
@@ -44,7 +50,9 @@ class KimiHybridVisionPositionEmbedding(nn.Module):
         super().__init__()
         self.dim = config.hidden_size
         self.num_frames = config.pos_emb_time
-        self.position_embeddings = nn.Parameter(torch.zeros(config.pos_emb_height, config.pos_emb_width, config.hidden_size))
+        self.position_embeddings = nn.Parameter(
+            torch.zeros(config.pos_emb_height, config.pos_emb_width, config.hidden_size)
+        )
         self.register_buffer("time_position_embeddings", self.sinusoid(), persistent=False)
 
     def sinusoid(self) -> torch.Tensor:
@@ -62,7 +70,9 @@ class KimiHybridVisionPositionEmbedding(nn.Module):
                 if (h, w) == tuple(table.shape[:2]):
                     resampled[h, w] = table.flatten(0, 1)
                 else:
-                    grid_hw = F.interpolate(table.permute(2, 0, 1)[None].float(), size=(h, w), mode="bicubic", align_corners=False)
+                    grid_hw = F.interpolate(
+                        table.permute(2, 0, 1)[None].float(), size=(h, w), mode="bicubic", align_corners=False
+                    )
                     resampled[h, w] = grid_hw[0].flatten(1).t().to(table.dtype)
             pos = resampled[h, w]
             if t > 1:  # frame f of a video gets sinusoid row f + 1
@@ -84,10 +94,14 @@ class KimiHybridVisionPatchEmbed(nn.Module):
         return self.pos_emb(x, grid)
 
 
-def axial_rope(grid: list[tuple[int, int, int]], head_dim: int, theta: float, device) -> tuple[torch.Tensor, torch.Tensor]:
+def axial_rope(
+    grid: list[tuple[int, int, int]], head_dim: int, theta: float, device
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [N, head_dim] of K2.5's axial 2D RoPE: head_dim / 4 frequencies; the angle pairs
     alternate (w, h) per frequency, and the whole head is rotated (rotate-half convention)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2)))
+    inv_freq = 1.0 / (
+        theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2))
+    )
     pos = []
     for t, h, w in grid:
         hh, ww = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
@@ -119,8 +133,13 @@ class KimiHybridVisionAttention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
         self.proj = nn.Linear(config.hidden_size, config.hidden_size)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int],
-                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        lengths: list[int],
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """x [N, D]; each image (a run of `lengths`) attends to itself only. Returns the output [N, D] and,
         only when `output_attentions`, the weights [1, heads, N, N]: block-diagonal, one block per image
         (zero between images), computed on the eager path whatever the configured implementation (SDPA
@@ -173,8 +192,13 @@ class KimiHybridVisionEncoderLayer(GradientCheckpointingLayer):
         self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         self.mlp = KimiHybridVisionMLP(config)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], lengths: list[int],
-                output_attentions: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        lengths: list[int],
+        output_attentions: bool = False,
+    ) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, lengths, output_attentions=output_attentions)[0]
         return x + self.mlp(self.norm2(x))
 
@@ -234,8 +258,9 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
         self.post_init()
 
     @capture_outputs
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor,
-                **kwargs: Unpack[TransformersKwargs]) -> BaseModelOutputWithPooling:
+    def forward(
+        self, pixel_values: torch.Tensor, grid_thw: torch.Tensor, **kwargs: Unpack[TransformersKwargs]
+    ) -> BaseModelOutputWithPooling:
         output_attentions = bool(kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)))
         grid = check_grid(pixel_values, grid_thw, self.merge_kernel_size)
         x = self.patch_embed(pixel_values, grid)
@@ -245,7 +270,9 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
         for layer in self.layers:
             x = layer(x, rope, lengths, output_attentions=output_attentions)
         x = self.final_layernorm(x)
-        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=merge_patches(x, grid, self.merge_kernel_size))
+        return BaseModelOutputWithPooling(
+            last_hidden_state=x, pooler_output=merge_patches(x, grid, self.merge_kernel_size)
+        )
 
 
 class KimiHybridMultimodalProjector(nn.Module):

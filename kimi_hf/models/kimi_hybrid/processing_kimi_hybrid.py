@@ -47,13 +47,20 @@ class KimiHybridProcessor(ProcessorMixin):
             image_inputs = self.image_processor(images, return_tensors="pt")
             grid = image_inputs["image_grid_thw"]
             if slots != len(grid):
-                raise ValueError(f"text has {slots} image placeholders ({self.image_token}) but {len(grid)} images were given")
-            merge = self.image_processor.merge_size ** 2
+                raise ValueError(
+                    f"text has {slots} image placeholders ({self.image_token}) but {len(grid)} images were given"
+                )
+            merge = self.image_processor.merge_size**2
             counts = iter((grid.prod(-1) // merge).tolist())
             marker = "\0image\0"  # expand each placeholder exactly once, in order
             texts = [t.replace(self.image_token, marker) for t in texts]
-            texts = ["".join(part if i == 0 else self.image_token * next(counts) + part
-                             for i, part in enumerate(t.split(marker))) for t in texts]
+            texts = [
+                "".join(
+                    part if i == 0 else self.image_token * next(counts) + part
+                    for i, part in enumerate(t.split(marker))
+                )
+                for t in texts
+            ]
         elif slots:
             raise ValueError(f"text has {slots} image placeholders ({self.image_token}) but no images were given")
         text_kwargs = {k: v for k, v in kwargs.items() if k not in ("videos", "audio")}
@@ -79,7 +86,13 @@ class KimiHybridProcessor(ProcessorMixin):
         return list(dict.fromkeys(self.tokenizer.model_input_names + self.image_processor.model_input_names))
 
 
-KimiHybridProcessor.register_for_auto_class("AutoProcessor")  # saved processors carry auto_map and this file
-
-__all__ = ["KimiHybridProcessor", "CHAT_TEMPLATE", "RESPONSE_TEMPLATE", "IMAGE_TOKEN", "IMAGE_MARKUP", "TURN_END",
-           "chat_stop_token_ids", "stop_at_turn_end"]
+__all__ = [
+    "KimiHybridProcessor",
+    "CHAT_TEMPLATE",
+    "RESPONSE_TEMPLATE",
+    "IMAGE_TOKEN",
+    "IMAGE_MARKUP",
+    "TURN_END",
+    "chat_stop_token_ids",
+    "stop_at_turn_end",
+]

@@ -16,6 +16,7 @@ from kimi_hf.ops import chunk_kda
 
 from ...ops.test_kda import make_inputs, rel_rms, run_with_grads
 
+
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
@@ -33,10 +34,13 @@ def _compare(inputs, h0, tol_o=1e-4, tol_grad=1e-4, **kw):
     return o, S
 
 
-@pytest.mark.parametrize("B,T,H,K,V,with_h0", [
-    (1, 70, 2, 16, 40, True),  # a tail chunk of 6 tokens; V spans two value blocks
-    (2, 20, 1, 20, 16, False),  # shorter than a chunk; K not a power of two; two sequences
-])
+@pytest.mark.parametrize(
+    "B,T,H,K,V,with_h0",
+    [
+        (1, 70, 2, 16, 40, True),  # a tail chunk of 6 tokens; V spans two value blocks
+        (2, 20, 1, 20, 16, False),  # shorter than a chunk; K not a power of two; two sequences
+    ],
+)
 def test_matches_reference_with_gradients(B, T, H, K, V, with_h0):
     inputs = make_inputs(B, T, H, K, V, seed=T + K)
     _compare(inputs, torch.randn(B, H, K, V) if with_h0 else None)
@@ -57,7 +61,11 @@ def test_fused_gate_beta_sigmoid_and_l2norm():
     against the same formulas applied in fp32 torch before the reference; gates reach -80 per step."""
     B, T, H, K, V = 1, 40, 2, 16, 16
     gen = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, K, generator=gen), torch.randn(B, T, H, V, generator=gen)
+    q, k, v = (
+        torch.randn(B, T, H, K, generator=gen),
+        torch.randn(B, T, H, K, generator=gen),
+        torch.randn(B, T, H, V, generator=gen),
+    )
     f = torch.randn(B, T, H, K, generator=gen) * 2
     f[..., :2] = 5.0  # with A_log = log 16: g ~ -80 per step on these channels
     beta = torch.randn(B, T, H, generator=gen)
@@ -67,8 +75,16 @@ def test_fused_gate_beta_sigmoid_and_l2norm():
     def run(backend):
         xs = [x.clone().requires_grad_() for x in (q, k, v, f, beta)]
         params = [A_log.detach().clone().requires_grad_(), dt_bias.detach().clone().requires_grad_()]
-        o, S = chunk_kda(*xs, output_final_state=True, use_qk_l2norm=True, use_gate_in_kernel=True, A_log=params[0],
-                         dt_bias=params[1], use_beta_sigmoid_in_kernel=True, backend=backend)
+        o, S = chunk_kda(
+            *xs,
+            output_final_state=True,
+            use_qk_l2norm=True,
+            use_gate_in_kernel=True,
+            A_log=params[0],
+            dt_bias=params[1],
+            use_beta_sigmoid_in_kernel=True,
+            backend=backend,
+        )
         w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
         ((o * w).sum() + S.sum()).backward()  # S.sum(): autograd hands over a stride-0 dS
         return o, S, [x.grad for x in xs + params]

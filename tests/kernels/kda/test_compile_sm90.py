@@ -11,8 +11,13 @@ from kimi_hf_kernels.kda import compile_check
 
 def test_all_kernels_compile_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    out = subprocess.run([sys.executable, "-m", "kimi_hf_kernels.kda.compile_check", "--dtype", "bf16", "--warps", "8"],
-                         capture_output=True, text=True, timeout=900, env=env)
+    out = subprocess.run(
+        [sys.executable, "-m", "kimi_hf_kernels.kda.compile_check", "--dtype", "bf16", "--warps", "8"],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and "bf16" in line]
     assert sorted(r.split("|")[1].strip() for r in rows) == sorted(compile_check.kernels())

@@ -11,6 +11,7 @@ from kimi_hf.ops import recurrent_kda
 
 from ...ops.test_kda import make_inputs, rel_rms
 
+
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
 
 
@@ -19,9 +20,12 @@ def test_matches_reference(K, V, l2):
     inputs = make_inputs(2, 6, 3, K, V, seed=K + V)
     h0 = torch.randn(2, 3, K, V)
     with torch.no_grad():
-        o, S = recurrent_kda(*inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4, backend="triton")
-        o_ref, S_ref = recurrent_kda(*inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4,
-                                     backend="reference")
+        o, S = recurrent_kda(
+            *inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4, backend="triton"
+        )
+        o_ref, S_ref = recurrent_kda(
+            *inputs, initial_state=h0, output_final_state=True, use_qk_l2norm=l2, scale=0.4, backend="reference"
+        )
     assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5
 
 
@@ -57,8 +61,15 @@ def test_fused_gate_and_beta_sigmoid():
     q, k, v, f, beta = make_inputs(1, 5, 2, 16, 16, seed=6)
     f = f * -4.0  # raw forget input: positive values, strong decay
     A_log, dt_bias = torch.tensor([0.5, 2.5]), torch.randn(2 * 16)
-    kw = dict(output_final_state=True, use_qk_l2norm=True, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias,
-              use_beta_sigmoid_in_kernel=True, initial_state=torch.randn(1, 2, 16, 16))
+    kw = dict(
+        output_final_state=True,
+        use_qk_l2norm=True,
+        use_gate_in_kernel=True,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True,
+        initial_state=torch.randn(1, 2, 16, 16),
+    )
     with torch.no_grad():
         o, S = recurrent_kda(q, k, v, f, beta, backend="triton", **kw)
         o_ref, S_ref = recurrent_kda(q, k, v, f, beta, backend="reference", **kw)

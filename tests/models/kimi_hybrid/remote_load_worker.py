@@ -4,6 +4,7 @@ expected outputs the test saved.  Usage: remote_load_worker.py EXPECTED.pt NAME_
 
 import sys
 
+
 for blocked in ("kimi_hf", "kimi_hf_kernels", "fla"):
     sys.modules[blocked] = None  # `import kimi_hf` raises ImportError here
 

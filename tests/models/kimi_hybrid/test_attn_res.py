@@ -27,11 +27,14 @@ def ids(B, T, seed=0):
     return torch.randint(3, 97, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("bad,match", [
-    (dict(attn_residual="blocks"), "attn_residual must be one of"),
-    (dict(attn_residual="block", attn_residual_block_size=0), "attn_residual_block_size"),
-    (dict(attn_residual="full", attn_residual_block_size=3), "one sublayer per block"),
-])
+@pytest.mark.parametrize(
+    "bad,match",
+    [
+        (dict(attn_residual="blocks"), "attn_residual must be one of"),
+        (dict(attn_residual="block", attn_residual_block_size=0), "attn_residual_block_size"),
+        (dict(attn_residual="full", attn_residual_block_size=3), "one sublayer per block"),
+    ],
+)
 def test_invalid_settings_raise(bad, match):
     with pytest.raises(ValueError, match=match):
         tiny_config(**bad)
@@ -43,7 +46,9 @@ def test_zero_queries_with_baseline_weights_equal_the_residual_sum(mode, block_s
     (scale-invariant RMSNorm): the same logits as the standard residual, up to the norms' eps."""
     torch.manual_seed(0)
     base = KimiHybridForCausalLM(tiny_config(rms_norm_eps=1e-12)).eval()
-    ar = KimiHybridForCausalLM(tiny_config(rms_norm_eps=1e-12, attn_residual=mode, attn_residual_block_size=block_size)).eval()
+    ar = KimiHybridForCausalLM(
+        tiny_config(rms_norm_eps=1e-12, attn_residual=mode, attn_residual_block_size=block_size)
+    ).eval()
     missing, unexpected = ar.load_state_dict(base.state_dict(), strict=False)
     assert not unexpected and all(".query" in k or ".key_norm." in k for k in missing)
     x = ids(2, 40)
@@ -106,7 +111,9 @@ def test_gradient_checkpointing_save_load_peft_and_muonclip(tmp_path):
         if ckpt:
             m.gradient_checkpointing_enable()
         m(x, labels=x, use_cache=False).loss.backward()
-        grads.append(torch.cat([m.model.layers[1].mlp_res.query.grad, m.model.layers[0].self_attn.q_proj.weight.grad.flatten()]))
+        grads.append(
+            torch.cat([m.model.layers[1].mlp_res.query.grad, m.model.layers[0].self_attn.q_proj.weight.grad.flatten()])
+        )
     assert rel_err(grads[1], grads[0]) < 1e-5
     m.gradient_checkpointing_disable()
     m.eval().save_pretrained(tmp_path)

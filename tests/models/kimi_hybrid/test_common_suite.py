@@ -60,13 +60,15 @@ from kimi_hf import (
 from . import transformers_tests
 from .helpers import TINY, TINY_VISION
 
+
 try:
     with warnings.catch_warnings():  # testing_utils applies marks that only transformers' own conftest registers
         warnings.simplefilter("ignore", pytest.PytestUnknownMarkWarning)
         hf = transformers_tests.load()
 except transformers_tests.FetchError as e:
-    pytest.skip(f"transformers {transformers_tests.VERSION}'s common tests could not be fetched: {e}",
-                allow_module_level=True)
+    pytest.skip(
+        f"transformers {transformers_tests.VERSION}'s common tests could not be fetched: {e}", allow_module_level=True
+    )
 
 common = hf.test_modeling_common
 ModelTesterMixin = common.ModelTesterMixin
@@ -97,8 +99,11 @@ def _our_auto_class_names():
             continue
         table, mapping = getattr(auto, table_name), getattr(auto, table_name[: -len("_NAMES")])
         extra = getattr(mapping, "_extra_content", {})
-        ours = {config.model_type: model.__name__ for config, model in extra.items()
-                if model.__module__.startswith("kimi_hf.")}
+        ours = {
+            config.model_type: model.__name__
+            for config, model in extra.items()
+            if model.__module__.startswith("kimi_hf.")
+        }
         if ours and isinstance(table, dict):
             patches.append(mock.patch.dict(table, ours))
     for p in patches:
@@ -141,8 +146,12 @@ def xfail_tests(reasons: dict[str, str]):
 
 # Two layers covering the four decoder-layer branches, as transformers' KimiLinearModelTester does: a KDA layer
 # with a dense MLP and an MLA layer with an MoE block; the sizes of helpers.TINY.
-TEXT = {**TINY, "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
-        "mlp_layer_types": ["dense", "sparse"]}
+TEXT = {
+    **TINY,
+    "num_hidden_layers": 2,
+    "layer_types": ["linear_attention", "full_attention"],
+    "mlp_layer_types": ["dense", "sparse"],
+}
 
 
 class KimiHybridTextModelTester:
@@ -160,8 +169,16 @@ class KimiHybridTextModelTester:
         self.batch_size, self.seq_length = batch_size, seq_length
         self.is_training, self.use_input_mask = is_training, use_input_mask
         self.config_kwargs = {**TEXT, **overrides}
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
-                    "pad_token_id", "bos_token_id", "eos_token_id"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        ):
             setattr(self, key, self.config_kwargs[key])
         self.type_sequence_label_size, self.num_labels, self.num_choices = 2, 3, 4
 
@@ -231,8 +248,10 @@ def check_attention_outputs(test, expected_num_attentions: int, num_heads: int):
 # source layout back. Ours is load-only by design (conversion_mapping_kimi_hybrid.py: from_pretrained converts
 # Moonshot's / transformers' Kimi-Linear layout, save_pretrained writes our own), a capability we do not claim;
 # test_load_time_conversion.py tests the loading side.
-LOAD_ONLY_CONVERSION = ("load-only checkpoint conversion (save_pretrained writes our layout, not the source one): the "
-                        "reverse mapping this test round-trips is not claimed")
+LOAD_ONLY_CONVERSION = (
+    "load-only checkpoint conversion (save_pretrained writes our layout, not the source one): the "
+    "reverse mapping this test round-trips is not claimed"
+)
 
 
 class _Common:
@@ -248,13 +267,19 @@ class _Common:
 
 
 # The failures, one line each; "issue 16 item N": the N-th of these failures in the list that issue 16 keeps.
-ITEM_1 = ("KimiHybridTextConfig's default pad/bos/eos ids (163839/163584/163586, Kimi's tokenizer) are refused by "
-          "configuration_kimi_hybrid._validate for a smaller vocab_size, so a config without them cannot be built: "
-          "deliberate (issue 15: token ids outside the vocabulary raise a ValueError naming the field)")
-ITEM_3 = ("KimiHybridModel.embed raises 'image placeholder tokens but no pixel_values' for the input_ids-only batch "
-          "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): issue 16 item 3")
-ITEM_4 = ("KimiHybridForConditionalGeneration/KimiHybridModel.forward return no `image_outputs` (the vision tower's "
-          "BaseModelOutputWithPooling) in their outputs: issue 16 item 4")
+ITEM_1 = (
+    "KimiHybridTextConfig's default pad/bos/eos ids (163839/163584/163586, Kimi's tokenizer) are refused by "
+    "configuration_kimi_hybrid._validate for a smaller vocab_size, so a config without them cannot be built: "
+    "deliberate (issue 15: token ids outside the vocabulary raise a ValueError naming the field)"
+)
+ITEM_3 = (
+    "KimiHybridModel.embed raises 'image placeholder tokens but no pixel_values' for the input_ids-only batch "
+    "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): issue 16 item 3"
+)
+ITEM_4 = (
+    "KimiHybridForConditionalGeneration/KimiHybridModel.forward return no `image_outputs` (the vision tower's "
+    "BaseModelOutputWithPooling) in their outputs: issue 16 item 4"
+)
 
 XFAIL_TEXT = {
     "test_model_forward_default_config_values": ITEM_1,
@@ -262,8 +287,14 @@ XFAIL_TEXT = {
 
 
 @xfail_tests(XFAIL_TEXT)
-class KimiHybridTextCommonTest(_Common, ModelTesterMixin, TensorParallelTesterMixin, ExpertParallelTesterMixin,
-                               TrainingTesterMixin, unittest.TestCase):
+class KimiHybridTextCommonTest(
+    _Common,
+    ModelTesterMixin,
+    TensorParallelTesterMixin,
+    ExpertParallelTesterMixin,
+    TrainingTesterMixin,
+    unittest.TestCase,
+):
     model_tester_class = KimiHybridTextModelTester
     all_model_classes = (KimiHybridTextModel, KimiHybridForCausalLM)
 
@@ -287,8 +318,10 @@ class KimiHybridTextCommonTest(_Common, ModelTesterMixin, TensorParallelTesterMi
     def test_model(self):
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
 
-    @unittest.skip("transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
-                   "class cannot inherit it; generate is tested in test_modeling.py")
+    @unittest.skip(
+        "transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
+        "class cannot inherit it; generate is tested in test_modeling.py"
+    )
     def test_generation_tester_mixin_inheritance(self):
         pass
 
@@ -313,8 +346,9 @@ class KimiHybridTextCommonTest(_Common, ModelTesterMixin, TensorParallelTesterMi
             ref = model(input_ids=next_token, past_key_values=single, use_cache=True).last_hidden_state[:, 0]
             multi = KimiHybridCache(config=config)
             model(input_ids=prompt, past_key_values=multi, use_cache=True)
-            got = model(input_ids=torch.cat([next_token, distractors], 1), past_key_values=multi,
-                        use_cache=True).last_hidden_state[:, 0]
+            got = model(
+                input_ids=torch.cat([next_token, distractors], 1), past_key_values=multi, use_cache=True
+            ).last_hidden_state[:, 0]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
@@ -349,8 +383,15 @@ class KimiHybridVLMTester:
         self.patch_size = KimiHybridVisionConfig(**self.vision_config).patch_size
         self.num_image_tokens = self.num_patches // 4
         self.seq_length = seq_length + self.num_image_tokens
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "pad_token_id",
-                    "bos_token_id", "eos_token_id"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "pad_token_id",
+            "bos_token_id",
+            "eos_token_id",
+        ):
             setattr(self, key, self.text_config[key])
 
     @property
@@ -358,8 +399,11 @@ class KimiHybridVLMTester:
         return [self.base_model_class, self.conditional_generation_class]
 
     def get_config(self):
-        return KimiHybridConfig(text_config=copy.deepcopy(self.text_config),
-                                vision_config=copy.deepcopy(self.vision_config), image_token_id=self.image_token_id)
+        return KimiHybridConfig(
+            text_config=copy.deepcopy(self.text_config),
+            vision_config=copy.deepcopy(self.vision_config),
+            image_token_id=self.image_token_id,
+        )
 
     def prepare_config_and_inputs_for_common(self):
         config = self.get_config()
@@ -384,8 +428,9 @@ XFAIL_VLM = {
 
 
 @xfail_tests(XFAIL_VLM)
-class KimiHybridMultimodalCommonTest(_Common, ModelTesterMixin, TensorParallelTesterMixin, ExpertParallelTesterMixin,
-                                     unittest.TestCase):
+class KimiHybridMultimodalCommonTest(
+    _Common, ModelTesterMixin, TensorParallelTesterMixin, ExpertParallelTesterMixin, unittest.TestCase
+):
     """Without TrainingTesterMixin, as transformers' VLMModelTest: the mixin reads `config.vocab_size` off the
     top-level config, which a composite config (ours, kimi_k25's) does not have; the text model runs it."""
 
@@ -400,8 +445,10 @@ class KimiHybridMultimodalCommonTest(_Common, ModelTesterMixin, TensorParallelTe
     def test_config(self):
         self.config_tester.run_common_tests()
 
-    @unittest.skip("transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
-                   "class cannot inherit it; generate is tested in test_modeling_multimodal.py")
+    @unittest.skip(
+        "transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
+        "class cannot inherit it; generate is tested in test_modeling_multimodal.py"
+    )
     def test_generation_tester_mixin_inheritance(self):
         pass
 

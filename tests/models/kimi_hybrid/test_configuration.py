@@ -19,14 +19,31 @@ def test_default_is_kimi_linear_48b_layout():
 
 def test_reads_moonshot_original_config():
     moonshot = dict(
-        TINY, num_hidden_layers=5, num_experts=8, num_experts_per_token=3, num_shared_experts=2,
-        moe_renormalize=False, first_k_dense_replace=2, model_max_length=4096,
-        linear_attn_config={"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "head_dim": 16, "num_heads": 3,
-                            "short_conv_kernel_size": 3},
+        TINY,
+        num_hidden_layers=5,
+        num_experts=8,
+        num_experts_per_token=3,
+        num_shared_experts=2,
+        moe_renormalize=False,
+        first_k_dense_replace=2,
+        model_max_length=4096,
+        linear_attn_config={
+            "kda_layers": [1, 2, 4, 5],
+            "full_attn_layers": [3],
+            "head_dim": 16,
+            "num_heads": 3,
+            "short_conv_kernel_size": 3,
+        },
     )
     del moonshot["num_experts_per_tok"], moonshot["n_shared_experts"]
     cfg = KimiHybridTextConfig(**moonshot)
-    assert cfg.layer_types == ["linear_attention", "linear_attention", "full_attention", "linear_attention", "linear_attention"]
+    assert cfg.layer_types == [
+        "linear_attention",
+        "linear_attention",
+        "full_attention",
+        "linear_attention",
+        "linear_attention",
+    ]
     assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.n_shared_experts) == (8, 3, 2)
     assert cfg.norm_topk_prob is False and cfg.max_position_embeddings == 4096
     assert (cfg.linear_head_dim, cfg.linear_num_heads, cfg.linear_conv_kernel_dim) == (16, 3, 3)
@@ -34,8 +51,14 @@ def test_reads_moonshot_original_config():
 
 
 def test_reads_native_transformers_fields():
-    native = dict(TINY, num_local_experts=6, n_group=2, topk_group=1, layer_types=["linear_attention"] * 3 + ["full_attention"],
-                  mlp_layer_types=["dense"] + ["sparse"] * 3)
+    native = dict(
+        TINY,
+        num_local_experts=6,
+        n_group=2,
+        topk_group=1,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+        mlp_layer_types=["dense"] + ["sparse"] * 3,
+    )
     del native["num_experts"]
     cfg = KimiHybridTextConfig(**native)
     assert cfg.num_experts == 6 and cfg.num_local_experts == 6 and cfg.n_group == 2
@@ -46,7 +69,9 @@ def test_save_load_and_auto_config(tmp_path):
     cfg.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, KimiHybridTextConfig)
-    assert loaded.to_diff_dict() == {**cfg.to_diff_dict(), "_name_or_path": str(tmp_path)} or loaded.to_json_string(use_diff=True) == cfg.to_json_string(use_diff=True)
+    assert loaded.to_diff_dict() == {**cfg.to_diff_dict(), "_name_or_path": str(tmp_path)} or loaded.to_json_string(
+        use_diff=True
+    ) == cfg.to_json_string(use_diff=True)
     assert isinstance(AutoConfig.for_model("kimi_hybrid_text"), KimiHybridTextConfig)
 
 
@@ -68,7 +93,10 @@ def test_save_load_and_auto_config(tmp_path):
         (dict(pad_token_id=97), "pad_token_id"),
         (dict(bos_token_id=-1), "bos_token_id"),
         (dict(eos_token_id=[2, 200]), "eos_token_id"),
-        (dict(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [9]}, layer_types=None), "linear_attn_config"),
+        (
+            dict(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [9]}, layer_types=None),
+            "linear_attn_config",
+        ),
     ],
 )
 def test_invalid_configs_name_the_field(overrides, field):
@@ -77,13 +105,18 @@ def test_invalid_configs_name_the_field(overrides, field):
 
 
 def test_layer_pattern_helper():
-    assert kimi_linear_layer_types(6) == ["linear_attention"] * 3 + ["full_attention", "linear_attention", "full_attention"]
+    assert kimi_linear_layer_types(6) == ["linear_attention"] * 3 + [
+        "full_attention",
+        "linear_attention",
+        "full_attention",
+    ]
 
 
 def test_small_vocabulary_with_kimi_default_token_ids_raises_a_value_error():
     """Issue: KimiHybridTextConfig(vocab_size=512, ...) kept Kimi's ids (163839, ...) and nn.Embedding asserted."""
     with pytest.raises(ValueError, match=r"pad_token_id = 163839 \(the default.*vocab_size 512"):
         KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4)
-    cfg = KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, pad_token_id=None,
-                               bos_token_id=1, eos_token_id=[2, 3])
+    cfg = KimiHybridTextConfig(
+        vocab_size=512, hidden_size=64, num_hidden_layers=4, pad_token_id=None, bos_token_id=1, eos_token_id=[2, 3]
+    )
     assert cfg.pad_token_id is None and cfg.eos_token_id == [2, 3]

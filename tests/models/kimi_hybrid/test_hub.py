@@ -17,6 +17,7 @@ from kimi_hf import KimiHybridForCausalLM, KimiHybridForConditionalGeneration
 
 from .helpers import tiny_config, tiny_multimodal_config, tiny_processor
 
+
 WORKER = Path(__file__).with_name("remote_load_worker.py")
 
 
@@ -27,13 +28,18 @@ def save_multimodal(path):
     model.save_pretrained(path)
     proc.save_pretrained(path)
     image = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (56, 84, 3), dtype=np.uint8))  # HWC uint8
-    text = proc.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}],
-                                    tokenize=False, add_generation_prompt=True)
+    text = proc.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "count"}]}],
+        tokenize=False,
+        add_generation_prompt=True,
+    )
     inputs = proc(images=[image], text=text)
     with torch.no_grad():
         logits = model(**inputs).logits
     generated = model.generate(**inputs, max_new_tokens=4, do_sample=False)
-    return dict(kind="multimodal", image=image, text=text, input_ids=inputs["input_ids"], logits=logits, generated=generated)
+    return dict(
+        kind="multimodal", image=image, text=text, input_ids=inputs["input_ids"], logits=logits, generated=generated
+    )
 
 
 def save_text(path):
@@ -43,7 +49,12 @@ def save_text(path):
     ids = torch.tensor([[1, 5, 9, 14, 3]])
     with torch.no_grad():
         logits = model(input_ids=ids).logits
-    return dict(kind="text", input_ids=ids, logits=logits, generated=model.generate(input_ids=ids, max_new_tokens=4, do_sample=False))
+    return dict(
+        kind="text",
+        input_ids=ids,
+        logits=logits,
+        generated=model.generate(input_ids=ids, max_new_tokens=4, do_sample=False),
+    )
 
 
 def offline_cache(cache, repo_id, folder):
@@ -59,7 +70,10 @@ def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
     mm, text = tmp_path / "mm", tmp_path / "text"
     expected = {str(mm): save_multimodal(mm), str(text): save_text(text)}
     config = json.loads((mm / "config.json").read_text())
-    assert config["auto_map"]["AutoModelForImageTextToText"] == "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration"
+    assert (
+        config["auto_map"]["AutoModelForImageTextToText"]
+        == "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration"
+    )
     assert {"kda.py", "modeling_kimi_hybrid.py", "processing_kimi_hybrid.py"} <= set(os.listdir(mm))
     cache = tmp_path / "hub_cache"
     offline_cache(cache, "local/tiny-kimi", mm)
@@ -67,8 +81,14 @@ def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
     torch.save(expected, tmp_path / "expected.pt")
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_MODULES_CACHE=str(tmp_path / "modules"))
     env.pop("PYTHONPATH", None)
-    out = subprocess.run([sys.executable, str(WORKER), str(tmp_path / "expected.pt"), str(mm), str(text), "local/tiny-kimi"],
-                         capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
+    out = subprocess.run(
+        [sys.executable, str(WORKER), str(tmp_path / "expected.pt"), str(mm), str(text), "local/tiny-kimi"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.count("ok ") == 3
 
@@ -95,12 +115,21 @@ def test_push_to_hub_uploads_weights_code_and_our_card(tmp_path, monkeypatch):
         repo_id = "me/tiny-kimi"
 
     monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **kw: Repo())
-    monkeypatch.setattr(HfApi, "upload_folder", lambda self, repo_id, folder_path, **kw: uploaded.update(
-        repo_id=repo_id, files=sorted(os.listdir(folder_path)), card=open(os.path.join(folder_path, "README.md")).read()))
+    monkeypatch.setattr(
+        HfApi,
+        "upload_folder",
+        lambda self, repo_id, folder_path, **kw: uploaded.update(
+            repo_id=repo_id,
+            files=sorted(os.listdir(folder_path)),
+            card=open(os.path.join(folder_path, "README.md")).read(),
+        ),
+    )
     torch.manual_seed(0)
     KimiHybridForCausalLM(tiny_config()).push_to_hub("me/tiny-kimi")
     assert uploaded["repo_id"] == "me/tiny-kimi"
-    assert {"config.json", "model.safetensors", "modeling_kimi_hybrid.py", "kda.py", "README.md"} <= set(uploaded["files"])
+    assert {"config.json", "model.safetensors", "modeling_kimi_hybrid.py", "kda.py", "README.md"} <= set(
+        uploaded["files"]
+    )
     assert "| 3 | MLA | MoE |" in uploaded["card"]
     uploaded.clear()
     KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path / "x", push_to_hub=True, repo_id="me/tiny-kimi")

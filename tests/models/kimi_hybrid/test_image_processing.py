@@ -49,8 +49,15 @@ def test_accepts_pil_numpy_torch_paths_gray_and_rgba(tmp_path):
     base = np.random.default_rng(1).integers(0, 256, (28, 28, 3), dtype=np.uint8)
     path = tmp_path / "x.png"
     Image.fromarray(base).save(path)
-    inputs = [Image.fromarray(base), base, base.transpose(2, 0, 1), torch.from_numpy(base.transpose(2, 0, 1)),
-              base.astype(np.float32) / 255.0, str(path), path]
+    inputs = [
+        Image.fromarray(base),
+        base,
+        base.transpose(2, 0, 1),
+        torch.from_numpy(base.transpose(2, 0, 1)),
+        base.astype(np.float32) / 255.0,
+        str(path),
+        path,
+    ]
     outs = [ip(images=[x])["pixel_values"] for x in inputs]
     for o in outs[1:]:
         assert torch.allclose(o, outs[0], atol=1e-2)
@@ -61,13 +68,16 @@ def test_accepts_pil_numpy_torch_paths_gray_and_rgba(tmp_path):
     assert torch.all(ip(images=[rgba])["pixel_values"] == 1.0)
 
 
-@pytest.mark.parametrize("images,exc,match", [
-    ([], ValueError, "empty"),
-    ([np.zeros((0, 5, 3), np.uint8)], ValueError, "empty"),
-    ([np.full((5, 5, 3), np.nan, np.float32)], ValueError, "NaN"),
-    ([np.zeros((5, 5, 2), np.uint8)], ValueError, "shape"),
-    (["not an image", 3], TypeError, r"images\[1\]"),
-])
+@pytest.mark.parametrize(
+    "images,exc,match",
+    [
+        ([], ValueError, "empty"),
+        ([np.zeros((0, 5, 3), np.uint8)], ValueError, "empty"),
+        ([np.full((5, 5, 3), np.nan, np.float32)], ValueError, "NaN"),
+        ([np.zeros((5, 5, 2), np.uint8)], ValueError, "shape"),
+        (["not an image", 3], TypeError, r"images\[1\]"),
+    ],
+)
 def test_bad_images_raise(images, exc, match, tmp_path):
     if images and isinstance(images[0], str):
         images[0] = str(tmp_path / "a.png")

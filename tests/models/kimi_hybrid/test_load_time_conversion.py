@@ -27,6 +27,7 @@ from ...conversion.test_convert_kimi_linear import (  # noqa: F401  (fixture)
     native_dir,
 )
 
+
 EMPTY = dict(missing_keys=set(), unexpected_keys=set(), mismatched_keys=set(), error_msgs=[])
 
 
@@ -80,24 +81,58 @@ def _moonshot_config() -> dict:
     n = NATIVE
     return {
         "architectures": ["KimiLinearForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_kimi.KimiLinearConfig", "AutoModel": "modeling_kimi.KimiLinearModel",
-                     "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM"},
-        "model_type": "kimi_linear", "torch_dtype": "bfloat16", "transformers_version": "4.56.1",
-        "vocab_size": n["vocab_size"], "hidden_size": n["hidden_size"], "intermediate_size": n["intermediate_size"],
-        "num_hidden_layers": n["num_hidden_layers"], "num_attention_heads": n["num_attention_heads"],
-        "num_key_value_heads": n["num_key_value_heads"], "head_dim": 4, "hidden_act": "silu",
-        "initializer_range": n["initializer_range"], "rms_norm_eps": 1e-5, "use_cache": True,
-        "pad_token_id": n["pad_token_id"], "bos_token_id": n["bos_token_id"], "eos_token_id": n["eos_token_id"],
-        "rope_theta": 10000.0, "rope_scaling": None, "tie_word_embeddings": False, "model_max_length": 1048576,
-        "moe_intermediate_size": n["moe_intermediate_size"], "moe_renormalize": True, "moe_router_activation_func": "sigmoid",
-        "num_experts": n["num_local_experts"], "num_experts_per_token": n["num_experts_per_tok"],
-        "num_shared_experts": n["n_shared_experts"], "routed_scaling_factor": 2.446, "first_k_dense_replace": 1,
-        "moe_layer_freq": 1, "use_grouped_topk": True, "num_expert_group": n["n_group"], "topk_group": n["topk_group"],
-        "q_lora_rank": None, "kv_lora_rank": n["kv_lora_rank"], "qk_nope_head_dim": n["qk_nope_head_dim"],
-        "qk_rope_head_dim": n["qk_rope_head_dim"], "v_head_dim": n["v_head_dim"], "mla_use_nope": True,
+        "auto_map": {
+            "AutoConfig": "configuration_kimi.KimiLinearConfig",
+            "AutoModel": "modeling_kimi.KimiLinearModel",
+            "AutoModelForCausalLM": "modeling_kimi.KimiLinearForCausalLM",
+        },
+        "model_type": "kimi_linear",
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.56.1",
+        "vocab_size": n["vocab_size"],
+        "hidden_size": n["hidden_size"],
+        "intermediate_size": n["intermediate_size"],
+        "num_hidden_layers": n["num_hidden_layers"],
+        "num_attention_heads": n["num_attention_heads"],
+        "num_key_value_heads": n["num_key_value_heads"],
+        "head_dim": 4,
+        "hidden_act": "silu",
+        "initializer_range": n["initializer_range"],
+        "rms_norm_eps": 1e-5,
+        "use_cache": True,
+        "pad_token_id": n["pad_token_id"],
+        "bos_token_id": n["bos_token_id"],
+        "eos_token_id": n["eos_token_id"],
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "model_max_length": 1048576,
+        "moe_intermediate_size": n["moe_intermediate_size"],
+        "moe_renormalize": True,
+        "moe_router_activation_func": "sigmoid",
+        "num_experts": n["num_local_experts"],
+        "num_experts_per_token": n["num_experts_per_tok"],
+        "num_shared_experts": n["n_shared_experts"],
+        "routed_scaling_factor": 2.446,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "use_grouped_topk": True,
+        "num_expert_group": n["n_group"],
+        "topk_group": n["topk_group"],
+        "q_lora_rank": None,
+        "kv_lora_rank": n["kv_lora_rank"],
+        "qk_nope_head_dim": n["qk_nope_head_dim"],
+        "qk_rope_head_dim": n["qk_rope_head_dim"],
+        "v_head_dim": n["v_head_dim"],
+        "mla_use_nope": True,
         "num_nextn_predict_layers": 0,
-        "linear_attn_config": {"kda_layers": [1, 2, 3], "full_attn_layers": [4], "head_dim": n["linear_head_dim"],
-                               "num_heads": n["linear_num_heads"], "short_conv_kernel_size": 4},
+        "linear_attn_config": {
+            "kda_layers": [1, 2, 3],
+            "full_attn_layers": [4],
+            "head_dim": n["linear_head_dim"],
+            "num_heads": n["linear_num_heads"],
+            "short_conv_kernel_size": 4,
+        },
     }
 
 
@@ -109,12 +144,19 @@ def moonshot_dir(native_dir, tmp_path_factory):
     path, _ = native_dir
     state = load_file(path / "model.safetensors")
     state = {k.replace("model.layers.0.block_sparse_moe.", "model.layers.0.mlp."): v for k, v in state.items()}
-    assert "model.layers.0.mlp.gate_proj.weight" in state and state["model.layers.0.self_attn.A_log"].shape == (1, 1, 2, 1)
+    assert "model.layers.0.mlp.gate_proj.weight" in state and state["model.layers.0.self_attn.A_log"].shape == (
+        1,
+        1,
+        2,
+        1,
+    )
     assert "model.layers.2.block_sparse_moe.experts.3.w3.weight" in state
     out = tmp_path_factory.mktemp("moonshot")
     names = sorted(state)
-    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
-              "model-00002-of-00002.safetensors": names[len(names) // 2:]}
+    shards = {
+        "model-00001-of-00002.safetensors": names[: len(names) // 2],
+        "model-00002-of-00002.safetensors": names[len(names) // 2 :],
+    }
     for file, keys in shards.items():
         save_file({k: state[k] for k in keys}, out / file, metadata={"format": "pt"})
     index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
@@ -137,7 +179,9 @@ def test_native_checkpoint_loads_directly_and_matches_transformers(native_dir):
     up = ours.model.layers[3].mlp.experts.gate_up_proj[2]
     assert torch.equal(up[:16], raw["model.layers.3.block_sparse_moe.experts.2.w1.weight"])
     assert torch.equal(up[16:], raw["model.layers.3.block_sparse_moe.experts.2.w3.weight"])
-    assert torch.equal(ours.model.layers[3].mlp.experts.down_proj[2], raw["model.layers.3.block_sparse_moe.experts.2.w2.weight"])
+    assert torch.equal(
+        ours.model.layers[3].mlp.experts.down_proj[2], raw["model.layers.3.block_sparse_moe.experts.2.w2.weight"]
+    )
     x = _tokens(1)
     assert_matches_native(ours, native, x)
 
@@ -244,7 +288,9 @@ def test_save_pretrained_writes_our_layout_and_reloads(moonshot_dir, offline_dir
 def test_a_model_built_from_a_config_saves_our_layout(tmp_path):
     """transformers reverts every registered mapping when saving a model that was not loaded."""
     native = KimiLinearConfig(**NATIVE).to_dict()
-    cfg = KimiHybridTextConfig(**{k: v for k, v in native.items() if k not in ("model_type", "architectures", "transformers_version")})
+    cfg = KimiHybridTextConfig(
+        **{k: v for k, v in native.items() if k not in ("model_type", "architectures", "transformers_version")}
+    )
     model = KimiHybridForCausalLM(cfg)
     model.save_pretrained(tmp_path)
     saved = _weights(tmp_path)
@@ -253,13 +299,27 @@ def test_a_model_built_from_a_config_saves_our_layout(tmp_path):
     assert all(saved[k].shape == state[k].shape for k in state)
 
 
-@pytest.mark.parametrize("case,edit,pattern", [
-    ("missing_expert", lambda s: s.pop("model.layers.3.block_sparse_moe.experts.1.w2.weight"), "ignore_mismatched_sizes"),
-    ("missing_gate_half", lambda s: s.pop("model.layers.3.block_sparse_moe.experts.1.w1.weight"), "conversion"),
-    ("extra_expert", lambda s: s.update({"model.layers.1.block_sparse_moe.experts.4.w2.weight": torch.zeros(32, 16)}),
-     "ignore_mismatched_sizes"),
-    ("a_log_heads", lambda s: s.update({"model.layers.0.self_attn.A_log": torch.zeros(1, 1, 3, 1)}), "ignore_mismatched_sizes"),
-])
+@pytest.mark.parametrize(
+    "case,edit,pattern",
+    [
+        (
+            "missing_expert",
+            lambda s: s.pop("model.layers.3.block_sparse_moe.experts.1.w2.weight"),
+            "ignore_mismatched_sizes",
+        ),
+        ("missing_gate_half", lambda s: s.pop("model.layers.3.block_sparse_moe.experts.1.w1.weight"), "conversion"),
+        (
+            "extra_expert",
+            lambda s: s.update({"model.layers.1.block_sparse_moe.experts.4.w2.weight": torch.zeros(32, 16)}),
+            "ignore_mismatched_sizes",
+        ),
+        (
+            "a_log_heads",
+            lambda s: s.update({"model.layers.0.self_attn.A_log": torch.zeros(1, 1, 3, 1)}),
+            "ignore_mismatched_sizes",
+        ),
+    ],
+)
 def test_inconsistent_checkpoints_are_refused(native_dir, tmp_path, case, edit, pattern):
     path, _ = native_dir
     state = load_file(path / "model.safetensors")
@@ -271,7 +331,9 @@ def test_inconsistent_checkpoints_are_refused(native_dir, tmp_path, case, edit, 
 
 
 def test_importing_the_package_registers_the_mapping():
-    code = ("import kimi_hf, transformers.conversion_mapping as c; "
-            f"assert {REGISTERED_CLASS!r} in c.USER_REGISTERED_MAPPINGS")
+    code = (
+        "import kimi_hf, transformers.conversion_mapping as c; "
+        f"assert {REGISTERED_CLASS!r} in c.USER_REGISTERED_MAPPINGS"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert out.returncode == 0, out.stderr[-2000:]

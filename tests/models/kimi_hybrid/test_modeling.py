@@ -1,7 +1,6 @@
 """The hybrid causal LM inside transformers: outputs, padding, packing, cache and generate, training
 features, save/load, Auto classes."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -29,7 +28,9 @@ def test_structure_and_auto_classes():
     assert isinstance(AutoModel.from_config(cfg), KimiHybridTextModel)
     kinds = [type(layer.self_attn) for layer in model.model.layers]
     assert kinds == [KimiDeltaAttention] * 3 + [KimiHybridMLA]
-    assert not isinstance(model.model.layers[0].mlp, KimiHybridMoE) and isinstance(model.model.layers[1].mlp, KimiHybridMoE)
+    assert not isinstance(model.model.layers[0].mlp, KimiHybridMoE) and isinstance(
+        model.model.layers[1].mlp, KimiHybridMoE
+    )
 
 
 def test_init_weights_follow_the_spec():
@@ -132,7 +133,9 @@ def test_left_padded_generation_matches_unpadded():
     mask = (batch != 0).long()
     mask[0] = 1
     with torch.no_grad():
-        gen = model.generate(batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
+        gen = model.generate(
+            batch, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
         ga = model.generate(a, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
         gb = model.generate(b, max_new_tokens=8, do_sample=False, pad_token_id=0, eos_token_id=None)
     assert torch.equal(gen[0, 9:], ga[0, 9:]) and torch.equal(gen[1, 9:], gb[0, 5:])
@@ -143,14 +146,25 @@ def test_sampling_and_beam_search_run():
     prompt = ids(2, 7, seed=7)
     with torch.no_grad():
         sampled = model.generate(prompt, max_new_tokens=6, do_sample=True, top_k=20, pad_token_id=0, eos_token_id=None)
-        beams = model.generate(prompt, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+        beams = model.generate(
+            prompt, max_new_tokens=6, num_beams=3, do_sample=False, pad_token_id=0, eos_token_id=None
+        )
     assert sampled.shape == (2, 13) and beams.shape == (2, 13)
     # beam search reorders the cache (KDA states, MLA latents) as beams swap: the score of every returned beam must
     # equal the log-probability of its tokens under a fresh full forward (length_penalty 0: a plain sum)
     with torch.no_grad():
-        out = model.generate(prompt, max_new_tokens=6, num_beams=4, num_return_sequences=3, do_sample=False,
-                             length_penalty=0.0, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
-                             eos_token_id=None)
+        out = model.generate(
+            prompt,
+            max_new_tokens=6,
+            num_beams=4,
+            num_return_sequences=3,
+            do_sample=False,
+            length_penalty=0.0,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            eos_token_id=None,
+        )
         seqs = out.sequences
         logp = model(seqs, use_cache=False).logits[:, 6:-1].log_softmax(-1).gather(-1, seqs[:, 7:, None])[..., 0]
     assert len({tuple(s.tolist()) for s in seqs}) == 6  # distinct beams
@@ -273,7 +287,9 @@ def test_models_of_one_layer_type_forward_train_and_generate(mixer):
     with torch.no_grad():
         full = model(x, use_cache=False).logits
         assert torch.allclose(model(x).logits, full, atol=1e-6)
-        gen = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None)
+        gen = model.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=6, do_sample=False, eos_token_id=None
+        )
         seq = x
         for _ in range(6):
             seq = torch.cat([seq, model(seq, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)], 1)
@@ -288,8 +304,9 @@ def test_disk_offload_forward_and_generate_match(tmp_path, attn_residual):
     model = make_model(attn_residual=attn_residual)
     model.save_pretrained(tmp_path / "m")
     x = ids(1, 21, seed=6)
-    offloaded = KimiHybridForCausalLM.from_pretrained(tmp_path / "m", device_map="auto", max_memory={"cpu": "60KB"},
-                                                      offload_folder=str(tmp_path / "offload")).eval()
+    offloaded = KimiHybridForCausalLM.from_pretrained(
+        tmp_path / "m", device_map="auto", max_memory={"cpu": "60KB"}, offload_folder=str(tmp_path / "offload")
+    ).eval()
     assert {"cpu", "disk"} <= set(offloaded.hf_device_map.values()), offloaded.hf_device_map
     assert any(p.device.type == "meta" for p in offloaded.parameters())  # really offloaded
     with torch.no_grad():
@@ -304,7 +321,9 @@ def test_torch_export_of_a_forward():
     x = ids(2, 9, seed=7)
     exported = torch.export.export(model, (x,), kwargs={"use_cache": False})
     with torch.no_grad():
-        assert torch.allclose(exported.module()(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-5)
+        assert torch.allclose(
+            exported.module()(x, use_cache=False).logits, model(x, use_cache=False).logits, atol=1e-5
+        )
 
 
 def test_aux_loss_counts_the_experts_the_router_chose():
@@ -329,9 +348,19 @@ def test_aux_loss_counts_the_experts_the_router_chose():
 def test_decays_gates_convs_and_router_stay_fp32_in_bf16(tmp_path):
     """Issue: from_pretrained(dtype=bf16) rounded A_log, dt_bias, the short convs and the router bias to bf16."""
     make_model().save_pretrained(tmp_path)
-    kept = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "gate.weight",
-            "e_score_correction_bias")
-    for model in (KimiHybridForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), make_model().to(torch.bfloat16)):
+    kept = (
+        "A_log",
+        "dt_bias",
+        "q_conv1d.weight",
+        "k_conv1d.weight",
+        "v_conv1d.weight",
+        "gate.weight",
+        "e_score_correction_bias",
+    )
+    for model in (
+        KimiHybridForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16),
+        make_model().to(torch.bfloat16),
+    ):
         tensors = dict(model.named_parameters()) | dict(model.named_buffers())
         fp32 = {n for n, t in tensors.items() if t.dtype == torch.float32}
         assert fp32 == {n for n in tensors if n.endswith(kept)} and len(fp32) == 3 * 5 + 3 * 2
@@ -378,8 +407,13 @@ def test_forward_annotations_are_real_types():
 
     from kimi_hf import KimiHybridForConditionalGeneration, KimiHybridModel, KimiHybridVisionModel
 
-    for cls in (KimiHybridTextModel, KimiHybridForCausalLM, KimiHybridModel, KimiHybridForConditionalGeneration,
-                KimiHybridVisionModel):
+    for cls in (
+        KimiHybridTextModel,
+        KimiHybridForCausalLM,
+        KimiHybridModel,
+        KimiHybridForConditionalGeneration,
+        KimiHybridVisionModel,
+    ):
         sig = inspect.signature(cls.forward)
         assert not isinstance(sig.return_annotation, str), cls
         assert not any(isinstance(p.annotation, str) for p in sig.parameters.values()), cls

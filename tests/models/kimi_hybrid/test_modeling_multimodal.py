@@ -65,7 +65,9 @@ def test_mismatches_raise_clear_errors(setup):
     with pytest.raises(ValueError, match="placeholder tokens but the images give"):
         ids = batch["input_ids"][0].tolist()
         ids.remove(proc.image_token_id)  # one placeholder short: never shift text against images silently
-        model(input_ids=torch.tensor([ids]), pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+        model(
+            input_ids=torch.tensor([ids]), pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"]
+        )
     with pytest.raises(ValueError, match="no pixel_values"):
         model(input_ids=batch["input_ids"])
 
@@ -83,7 +85,11 @@ def test_generate_encodes_images_once_and_matches_full_forwards(setup):
     seq = batch["input_ids"]
     with torch.no_grad():
         for _ in range(6):
-            nxt = model(input_ids=seq, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"]).logits[:, -1].argmax(-1)
+            nxt = (
+                model(input_ids=seq, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
+                .logits[:, -1]
+                .argmax(-1)
+            )
             seq = torch.cat([seq, nxt[:, None]], 1)
     assert torch.equal(out, seq)
 
@@ -94,9 +100,11 @@ def test_batched_generation_with_left_padding_and_different_image_counts(setup):
     texts = [prompt(proc, "two?", images=2), prompt(proc, "one?")]
     images = [img(56, 56, 3), img(28, 56, 4), img(56, 28, 5)]
     batch = proc(images=images, text=texts, padding=True)
-    out = model.generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1]:]
-    singles = [model.generate(**proc(images=ims, text=t), max_new_tokens=4, do_sample=False)[0, -4:]
-               for t, ims in zip(texts, [images[:2], images[2:]])]
+    out = model.generate(**batch, max_new_tokens=4, do_sample=False)[:, batch["input_ids"].shape[1] :]
+    singles = [
+        model.generate(**proc(images=ims, text=t), max_new_tokens=4, do_sample=False)[0, -4:]
+        for t, ims in zip(texts, [images[:2], images[2:]])
+    ]
     assert torch.equal(out[0], singles[0]) and torch.equal(out[1], singles[1])
 
 
@@ -112,7 +120,9 @@ def test_auto_classes_save_load_and_pipeline(setup, tmp_path):
             assert isinstance(loaded, KimiHybridForConditionalGeneration)
             assert torch.allclose(loaded(**batch).logits, ref, atol=1e-5)
     pipe = pipeline("image-text-to-text", model=model, processor=proc)
-    messages = [{"role": "user", "content": [{"type": "image", "image": img(56, 56)}, {"type": "text", "text": "count"}]}]
+    messages = [
+        {"role": "user", "content": [{"type": "image", "image": img(56, 56)}, {"type": "text", "text": "count"}]}
+    ]
     result = pipe(text=messages, max_new_tokens=3, do_sample=False)
     assert isinstance(result[0]["generated_text"], (str, list))
 
@@ -126,10 +136,26 @@ def test_lora_and_trainer_with_the_collator(tmp_path):
     lora = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
     trainable = {n for n, p in lora.named_parameters() if p.requires_grad}
     assert any("vision_tower" in n for n in trainable) and any("language_model" in n for n in trainable)
-    examples = [{"messages": [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]},
-                              {"role": "assistant", "content": str(i)}], "images": [img(28, 28, i)]} for i in range(4)]
-    args = TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
-                             report_to=[], remove_unused_columns=False, use_cpu=True, save_strategy="no")
+    examples = [
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]},
+                {"role": "assistant", "content": str(i)},
+            ],
+            "images": [img(28, 28, i)],
+        }
+        for i in range(4)
+    ]
+    args = TrainingArguments(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=1e-2,
+        report_to=[],
+        remove_unused_columns=False,
+        use_cpu=True,
+        save_strategy="no",
+    )
     before = {n: p.detach().clone() for n, p in lora.named_parameters() if p.requires_grad}
     trainer = Trainer(model=lora, args=args, train_dataset=examples, data_collator=KimiHybridVisionCollator(proc))
     result = trainer.train()
@@ -167,7 +193,9 @@ def test_inputs_embeds_placeholder_mismatch_raises(setup):
     ids = batch["input_ids"][0].tolist()
     ids.remove(proc.image_token_id)  # one placeholder short
     embeds = model.get_input_embeddings()(torch.tensor([ids]))
-    with pytest.raises(ValueError, match="inputs_embeds hold 3 image placeholder tokens but the images give 4 features"):
+    with pytest.raises(
+        ValueError, match="inputs_embeds hold 3 image placeholder tokens but the images give 4 features"
+    ):
         model(inputs_embeds=embeds, pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"])
     with pytest.raises(ValueError, match="image_grid_thw"):
         model(inputs_embeds=embeds, pixel_values=batch["pixel_values"])
@@ -181,7 +209,7 @@ def test_generate_from_inputs_embeds_with_images_matches_input_ids(setup):
     images = {k: batch[k] for k in ("pixel_values", "image_grid_thw", "attention_mask")}
     gen = dict(max_new_tokens=6, do_sample=False)
     with torch.no_grad():
-        ref = model.generate(input_ids=batch["input_ids"], **images, **gen)[:, batch["input_ids"].shape[1]:]
+        ref = model.generate(input_ids=batch["input_ids"], **images, **gen)[:, batch["input_ids"].shape[1] :]
         calls = []
         hook = model.model.vision_tower.register_forward_hook(lambda *a: calls.append(1))
         try:
@@ -214,7 +242,8 @@ def test_get_image_features_follows_the_transformers_vlm_api(setup):
     # the features the forward writes: read at the language model's input
     seen = {}
     hook = model.model.language_model.register_forward_pre_hook(
-        lambda mod, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True)
+        lambda mod, args, kwargs: seen.update(embeds=kwargs["inputs_embeds"]), with_kwargs=True
+    )
     try:
         with torch.no_grad():
             model(**batch)

@@ -14,6 +14,7 @@ from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid_vision import KimiHybridMul
 
 from .helpers import TINY, TINY_VISION
 
+
 GRID = torch.tensor([[1, 8, 8], [1, 6, 10], [1, 4, 4]])  # the table's own size, a non-square resample, a small one
 
 
@@ -24,7 +25,9 @@ def pixels(grid, seed=0):
 def k25_pair():
     """A kimi_k25 tower with random weights and ours loaded from its state dict."""
     torch.manual_seed(0)
-    ref = Kimi_K25VisionModel(Kimi_K25VisionConfig(**TINY_VISION, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0}))
+    ref = Kimi_K25VisionModel(
+        Kimi_K25VisionConfig(**TINY_VISION, rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+    )
     with torch.no_grad():
         for p in ref.parameters():
             p.normal_(0, 0.2)
@@ -43,8 +46,11 @@ def test_matches_transformers_kimi_k25_tower_and_projector():
     assert a.pooler_output.shape == b.pooler_output.shape == (int(GRID.prod(-1).sum()) // 4, 4, 32)
     assert (a.pooler_output - b.pooler_output).abs().max() < 1e-5
     # the projector: same names, same output
-    k25 = Kimi_K25Config(text_config={"model_type": "deepseek_v3", "hidden_size": 48}, vision_config=TINY_VISION,
-                         projection_hidden_size=32)
+    k25 = Kimi_K25Config(
+        text_config={"model_type": "deepseek_v3", "hidden_size": 48},
+        vision_config=TINY_VISION,
+        projection_hidden_size=32,
+    )
     ref_proj, our_proj = Kimi_K25MultimodalProjection(k25), KimiHybridMultimodalProjector(32, 4, 48)
     our_proj.load_state_dict(ref_proj.state_dict(), strict=True)
     with torch.no_grad():
@@ -78,11 +84,14 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert torch.allclose(grads[0], grads[1], atol=1e-5)
 
 
-@pytest.mark.parametrize("grid,match", [
-    (torch.tensor([[1, 3, 4]]), "divisible"),
-    (torch.tensor([[1, 4, 4]]), "describes"),
-    (torch.tensor([1, 4, 4]), "image_grid_thw"),
-])
+@pytest.mark.parametrize(
+    "grid,match",
+    [
+        (torch.tensor([[1, 3, 4]]), "divisible"),
+        (torch.tensor([[1, 4, 4]]), "describes"),
+        (torch.tensor([1, 4, 4]), "image_grid_thw"),
+    ],
+)
 def test_bad_grids_raise(grid, match):
     _, ours = k25_pair()
     with pytest.raises(ValueError, match=match):
@@ -97,8 +106,15 @@ def test_configs_validate_and_round_trip(tmp_path):
     with pytest.raises(ValueError, match="image_token_id"):
         KimiHybridConfig(text_config=dict(TINY), vision_config=TINY_VISION, image_token_id=500)
     default = KimiHybridVisionConfig()  # K2.5's tower
-    assert (default.hidden_size, default.num_hidden_layers, default.patch_size, default.intermediate_size) == (1152, 27, 14, 4304)
-    cfg = KimiHybridConfig(text_config=dict(TINY), vision_config=KimiHybridVisionConfig(**TINY_VISION), image_token_id=7)
+    assert (default.hidden_size, default.num_hidden_layers, default.patch_size, default.intermediate_size) == (
+        1152,
+        27,
+        14,
+        4304,
+    )
+    cfg = KimiHybridConfig(
+        text_config=dict(TINY), vision_config=KimiHybridVisionConfig(**TINY_VISION), image_token_id=7
+    )
     cfg.save_pretrained(tmp_path)
     loaded = AutoConfig.from_pretrained(tmp_path)
     assert isinstance(loaded, KimiHybridConfig) and loaded.vision_config.hidden_size == 32

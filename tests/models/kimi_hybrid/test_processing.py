@@ -20,15 +20,18 @@ def img(h, w, seed=0):
 def test_each_placeholder_expands_to_its_images_tokens_in_order():
     proc = tiny_processor()
     pad = proc.image_token
-    out = proc(images=[img(56, 84), img(28, 28), img(56, 56)],  # 6, 1 and 4 merged tokens
-               text=[f"first {pad} then {pad}", f"only {pad} here"], padding=True)
+    out = proc(
+        images=[img(56, 84), img(28, 28), img(56, 56)],  # 6, 1 and 4 merged tokens
+        text=[f"first {pad} then {pad}", f"only {pad} here"],
+        padding=True,
+    )
     ids = out["input_ids"]
     counts = (ids == proc.image_token_id).sum(1).tolist()
     assert counts == [7, 4]
     assert out["image_grid_thw"].tolist() == [[1, 4, 6], [1, 2, 2], [1, 4, 4]]
     row0 = ids[0][out["attention_mask"][0].bool()].tolist()  # the first image's 6 tokens come first, contiguous
     first = row0.index(proc.image_token_id)
-    assert row0[first:first + 6] == [proc.image_token_id] * 6 and row0[first + 6] != proc.image_token_id
+    assert row0[first : first + 6] == [proc.image_token_id] * 6 and row0[first + 6] != proc.image_token_id
     assert proc.num_image_tokens(56, 84) == 6
 
 
@@ -44,10 +47,17 @@ def test_mismatched_placeholders_and_images_raise():
 
 def test_chat_template_with_images_tokenizes():
     proc = tiny_processor()
-    messages = [{"role": "user", "content": [{"type": "image", "image": img(56, 56)}, {"type": "text", "text": "how many circles?"}]}]
+    messages = [
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": img(56, 56)}, {"type": "text", "text": "how many circles?"}],
+        }
+    ]
     text = proc.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_user|>user<|im_middle|><|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
-                    "how many circles?<|im_end|><|im_assistant|>assistant<|im_middle|>")
+    assert text == (
+        "<|im_user|>user<|im_middle|><|media_begin|>image<|media_content|><|media_pad|><|media_end|>"
+        "how many circles?<|im_end|><|im_assistant|>assistant<|im_middle|>"
+    )
     out = proc.apply_chat_template(messages, tokenize=True, return_dict=True, add_generation_prompt=True)
     assert (out["input_ids"] == proc.image_token_id).sum() == 4 and out["image_grid_thw"].tolist() == [[1, 4, 4]]
 

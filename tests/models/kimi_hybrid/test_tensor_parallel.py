@@ -24,7 +24,8 @@ from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import ATTN_RES_PP_PLA
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts, KimiHybridMLA
 
 from .helpers import tiny_config
-from .tp_worker import QK_CLIP_GAMMA, compute
+from .tp_worker import QK_CLIP_GAMMA, compute, record_max_logits
+
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKER = Path(__file__).with_name("tp_worker.py")
@@ -33,9 +34,16 @@ HEADS = 4  # KDA and MLA heads: 2 per rank
 
 CASES = {
     "plain": (dict(), None),
-    "lora_attnres": (dict(q_lora_rank=8, attn_residual="block", n_group=2, topk_group=2,
-                          layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"]),
-                     "eager"),
+    "lora_attnres": (
+        dict(
+            q_lora_rank=8,
+            attn_residual="block",
+            n_group=2,
+            topk_group=2,
+            layer_types=["full_attention", "linear_attention", "full_attention", "linear_attention"],
+        ),
+        "eager",
+    ),
 }
 
 
@@ -62,12 +70,30 @@ def runs(tmp_path_factory):
         ids = torch.randint(3, 97, (2, 24), generator=g)
         # two packed documents in one row; a prompt longer than the absorbed-MLA threshold (16), so that decoding
         # runs the absorbed path on the local heads' slice of kv_b_proj
-        torch.save(dict(ids=ids, packed_ids=ids[:1], packed_pos=torch.cat([torch.arange(10), torch.arange(14)])[None],
-                        prompt=torch.randint(3, 97, (1, 20), generator=g), new_tokens=6), root / name / "inputs.pt")
+        torch.save(
+            dict(
+                ids=ids,
+                packed_ids=ids[:1],
+                packed_pos=torch.cat([torch.arange(10), torch.arange(14)])[None],
+                prompt=torch.randint(3, 97, (1, 20), generator=g),
+                new_tokens=6,
+            ),
+            root / name / "inputs.pt",
+        )
         args.append(f"{root / name}:{impl}" if impl else str(root / name))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(WORKER), str(root), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        str(WORKER),
+        str(root),
+        *args,
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     results = {"root": root}
@@ -125,7 +151,9 @@ def test_save_pretrained_gathers_the_shards(runs, layout):
     from safetensors.torch import load_file
 
     for case in CASES:
-        saved, original = (load_file(runs["root"] / name / "model.safetensors") for name in (f"{case}-{layout}-saved", case))
+        saved, original = (
+            load_file(runs["root"] / name / "model.safetensors") for name in (f"{case}-{layout}-saved", case)
+        )
         assert saved.keys() == original.keys()
         for name, tensor in original.items():
             assert torch.equal(saved[name], tensor), name
@@ -146,6 +174,22 @@ def test_qk_clip_on_sharded_weights(runs, case):
         for name, local in clipped.items():
             assert torch.allclose(local, params[name].detach().chunk(2, 0)[rank], atol=1e-7), name
         assert not torch.equal(local, runs[case]["state"][name].chunk(2, 0)[rank])  # it did scale
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_qk_clip_records_every_head_under_tensor_parallelism(runs, case, layout):
+    """Each rank records the max logits of its own MLA heads; after the all-reduce every rank holds the whole
+    model's per-head maxima, in the heads' order (a rank's heads land at its slots)."""
+    model = KimiHybridForCausalLM(case_config(case))
+    model.load_state_dict(runs[case]["state"])
+    expected = record_max_logits(model, torch.load(runs["root"] / case / "inputs.pt"))
+    for rank in (0, 1):
+        got = runs[case][layout, rank]["qk_max"]
+        assert len(got) == len(expected) > 0
+        for g, e in zip(got, expected):
+            assert g.shape == (HEADS,)
+            torch.testing.assert_close(g, e, atol=1e-4, rtol=1e-5)
 
 
 def local_shapes(runs, case, layout):
@@ -169,11 +213,21 @@ def test_kda_and_mla_shard_by_head(runs):
     assert shapes[mla + "o_proj.weight"] == (hidden, h * 8)
     assert local_shapes(runs, "lora_attnres", "tp")["model.layers.0.self_attn.q_b_proj.weight"] == (h * 12, 8)
     # shared by the heads: replicated
-    for name in (kda + "f_a_proj.weight", kda + "g_a_proj.weight", kda + "o_norm.weight", mla + "kv_a_proj_with_mqa.weight",
-                 mla + "kv_a_layernorm.weight", "model.layers.1.mlp.gate.weight", "model.norm.weight"):
+    for name in (
+        kda + "f_a_proj.weight",
+        kda + "g_a_proj.weight",
+        kda + "o_norm.weight",
+        mla + "kv_a_proj_with_mqa.weight",
+        mla + "kv_a_layernorm.weight",
+        "model.layers.1.mlp.gate.weight",
+        "model.norm.weight",
+    ):
         assert name in res["replicated"], name
-    assert {"model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.attn_res.query",
-            "model.final_res.query"} <= runs["lora_attnres"]["tp", 0]["replicated"].keys()
+    assert {
+        "model.layers.0.self_attn.q_a_proj.weight",
+        "model.layers.1.attn_res.query",
+        "model.final_res.query",
+    } <= runs["lora_attnres"]["tp", 0]["replicated"].keys()
     assert shapes["model.embed_tokens.weight"] == (49, hidden) and shapes["lm_head.weight"] == (49, hidden)
 
 
@@ -205,6 +259,7 @@ def test_pipeline_parallel(runs):
 
 
 # ---- without processes -------------------------------------------------------------------------------------------
+
 
 def wildcard_names(model):
     import re
@@ -253,8 +308,11 @@ def test_layouts_the_model_cannot_run_are_refused():
     with pytest.raises(ValueError, match="num_attention_heads"):
         check_parallel_layout(tiny_config(num_attention_heads=3), plan, DistributedConfig(tp_size=2))
     # a plan that does not shard kv_b_proj by head lifts the MLA constraint
-    check_parallel_layout(tiny_config(num_attention_heads=3), plan,
-                          DistributedConfig(tp_size=2, tp_plan={"model.layers.*.self_attn.kv_b_proj": "replicate"}))
+    check_parallel_layout(
+        tiny_config(num_attention_heads=3),
+        plan,
+        DistributedConfig(tp_size=2, tp_plan={"model.layers.*.self_attn.kv_b_proj": "replicate"}),
+    )
     with pytest.raises(ValueError, match="Attention Residuals under pipeline parallelism"):
         check_parallel_layout(tiny_config(attn_residual="block"), plan, DistributedConfig(pp_size=2))
 

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+
 SCRIPT = textwrap.dedent(
     """
     import torch, kimi_hf

@@ -13,7 +13,8 @@ For each checkpoint folder (written by the test, with `inputs.pt`) and each of t
 it computes what the test also computes in one process: the logits of a batch and of packed documents,
 greedy generation with the cache (scores and tokens), the training loss and every parameter's gradient
 (gathered; not for pp), and records each DTensor parameter's local shard and placement; for tp and
-ep it saves the model again (OUT/<case>-<layout>-saved) and applies QK-Clip to the sharded MLA weights.
+ep it records QK-Clip's max logits, saves the model again (OUT/<case>-<layout>-saved) and applies QK-Clip
+to the sharded MLA weights.
 Each rank writes OUT/<case>-<layout>-rank<r>.pt (a load that is refused: {"refused": message}).
 """
 
@@ -28,6 +29,8 @@ from transformers.distributed import DistributedConfig
 
 from kimi_hf import KimiHybridForCausalLM
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts, KimiHybridMLA
+from kimi_hf.optim import QKClip
+
 
 QK_CLIP_GAMMA = torch.tensor([0.5, 1.0, 0.25, 0.8])  # one per MLA head (4)
 
@@ -38,8 +41,13 @@ def compute(model: KimiHybridForCausalLM, inputs: dict, backward: bool = True) -
     with torch.no_grad():
         logits = model(inputs["ids"]).logits
         packed = model(inputs["packed_ids"], position_ids=inputs["packed_pos"]).logits
-        gen = model.generate(inputs["prompt"], max_new_tokens=inputs["new_tokens"], do_sample=False,
-                             output_scores=True, return_dict_in_generate=True)
+        gen = model.generate(
+            inputs["prompt"],
+            max_new_tokens=inputs["new_tokens"],
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     result = {"logits": logits, "packed": packed, "tokens": gen.sequences, "scores": torch.stack(gen.scores)}
     if not backward:
         return result
@@ -54,28 +62,46 @@ def compute(model: KimiHybridForCausalLM, inputs: dict, backward: bool = True) -
     return {**result, "loss": loss.detach(), "grads": grads}
 
 
+def record_max_logits(model: KimiHybridForCausalLM, inputs: dict) -> list[torch.Tensor]:
+    """QK-Clip's per-head max logits of one training forward, all-reduced (tau high enough to clip nothing)."""
+    clip = QKClip(model, tau=1e9)
+    model.train()
+    model(inputs["ids"])
+    assert clip.clip() == 0
+    model.eval()
+    return [m.clone() for m in clip.last_head_max]
+
+
 def main(out: Path, cases: list[str]):
     for case in cases:
         path, _, impl = case.partition(":")
         inputs = torch.load(Path(path) / "inputs.pt")
         for layout in ("tp", "ep", "pp"):
             start = time.perf_counter()
-            kw = {"tp": dict(tp_plan="auto"), "ep": dict(distributed_config=DistributedConfig(tp_size=2, ep_size=2)),
-                  "pp": dict(distributed_config=DistributedConfig(pp_size=2))}[layout]
+            kw = {
+                "tp": dict(tp_plan="auto"),
+                "ep": dict(distributed_config=DistributedConfig(tp_size=2, ep_size=2)),
+                "pp": dict(distributed_config=DistributedConfig(pp_size=2)),
+            }[layout]
             try:
                 model = KimiHybridForCausalLM.from_pretrained(path, experts_implementation=impl or None, **kw)
             except ValueError as e:  # pipeline parallelism with Attention Residuals: refused at load, on both ranks
                 torch.save({"refused": str(e)}, out / f"{Path(path).name}-{layout}-rank{dist.get_rank()}.pt")
                 continue
             result = compute(model, inputs, backward=layout != "pp")  # pp: inference only (the naive pipeline)
-            result["shards"] = {name: {"local": p.to_local().detach().clone(), "placements": str(p.placements)}
-                                for name, p in model.named_parameters() if isinstance(p, DTensor)}
-            result["replicated"] = {name: tuple(p.shape) for name, p in model.named_parameters()
-                                    if not isinstance(p, DTensor)}
+            result["shards"] = {
+                name: {"local": p.to_local().detach().clone(), "placements": str(p.placements)}
+                for name, p in model.named_parameters()
+                if isinstance(p, DTensor)
+            }
+            result["replicated"] = {
+                name: tuple(p.shape) for name, p in model.named_parameters() if not isinstance(p, DTensor)
+            }
             result["local_experts"] = [m.num_experts for m in model.modules() if isinstance(m, KimiHybridExperts)]
             result["experts_implementation"] = model.config._experts_implementation
             result["layers"] = [type(layer).__name__ for layer in model.model.layers]
             if layout != "pp":
+                result["qk_max"] = record_max_logits(model, inputs)  # each rank records its heads
                 model.save_pretrained(out / f"{Path(path).name}-{layout}-saved")  # gathers the shards (all ranks)
                 # QK-Clip with one factor per head of the model, on this rank's rows of the sharded weights
                 result["clipped"] = {}

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import transformers
 
+
 PACKAGE = "_kimi_hf_transformers_tests"
 VERSION = transformers.__version__
 MARKER = ".kimi_hf_complete"  # written last into the staged folder
@@ -82,8 +83,20 @@ def _locked(path: Path):
 
 
 def _download_sdist(version: str, into: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "--disable-pip-version-check",
-           "-q", "-d", str(into), f"transformers=={version}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--no-binary",
+        ":all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(into),
+        f"transformers=={version}",
+    ]
     try:
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -103,12 +116,15 @@ def _extract_tests(tarball: Path, version: str, into: Path) -> None:
         meta = info.read().decode() if info else ""
         if f"\nVersion: {version}\n" not in meta:
             raise RuntimeError(f"{tarball.name}: PKG-INFO does not name version {version}")
-        members = [m for m in tar.getmembers() if m.name.startswith(top + "tests/") and m.isfile()
-                   and m.name.endswith((".py", ".json"))]
+        members = [
+            m
+            for m in tar.getmembers()
+            if m.name.startswith(top + "tests/") and m.isfile() and m.name.endswith((".py", ".json"))
+        ]
         if not any(m.name == top + "tests/test_modeling_common.py" for m in members):
             raise RuntimeError(f"{tarball.name} has no tests/test_modeling_common.py")
         for m in members:
-            rel = Path(m.name[len(top + "tests/"):])
+            rel = Path(m.name[len(top + "tests/") :])
             if rel.is_absolute() or ".." in rel.parts:
                 raise RuntimeError(f"{tarball.name}: unsafe member {m.name}")
             dest = into / rel
@@ -184,8 +200,14 @@ def _distributed_worker(rank: int, world_size: int, port: int, module: str, name
     The arguments come pickled, to be unpickled only after fla is hidden (they may name transformers' model classes,
     whose modules look for fla on import)."""
     sys.modules.setdefault("fla", None)  # as in tests/conftest.py: fla's Triton kernels crash on CPU
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
     import pickle
 
     import torch.distributed as dist
@@ -212,8 +234,12 @@ def run_distributed(world_size: int = 2):
 
             import torch.multiprocessing as mp
 
-            mp.spawn(_distributed_worker, nprocs=world_size, join=True,
-                     args=(world_size, _find_free_port(), fn.__module__, fn.__qualname__, pickle.dumps(args)))
+            mp.spawn(
+                _distributed_worker,
+                nprocs=world_size,
+                join=True,
+                args=(world_size, _find_free_port(), fn.__module__, fn.__qualname__, pickle.dumps(args)),
+            )
 
         return runner
 
@@ -262,8 +288,13 @@ def load(version: str = VERSION) -> types.ModuleType:
     sys.modules[PACKAGE] = pkg
     try:
         _install_substitutes(pkg, root)
-        for name in ("test_configuration_common", "test_modeling_common", "test_tensor_parallel_mixin",
-                     "test_expert_parallel_mixin", "test_training_mixin"):
+        for name in (
+            "test_configuration_common",
+            "test_modeling_common",
+            "test_tensor_parallel_mixin",
+            "test_expert_parallel_mixin",
+            "test_training_mixin",
+        ):
             setattr(pkg, name, importlib.import_module(f"{PACKAGE}.{name}"))
     except BaseException:
         for key in [k for k in sys.modules if k == PACKAGE or k.startswith(PACKAGE + ".")]:

@@ -1,8 +1,9 @@
 """Hybrid model benchmark on CPU: kimi_hf's KimiHybridForCausalLM against transformers' native
 KimiLinearForCausalLM (its torch fallbacks: fla is hidden, it cannot run on CPU) on the same tiny
-config, plus the cache size against an all-MLA model of the same size.
+config, decoding compiled with torch.compile(fullgraph=True) over a StaticCache against eager, plus the
+cache size against an all-MLA model of the same size.
 
-    python benchmarks/model.py            # forward at T = 512, 2048, 8192; decode; cache
+    python benchmarks/model.py            # forward at T = 512, 2048, 8192; decode; compiled decode; cache
     python benchmarks/model.py --quick    # T = 512, 2048 and fewer steps
 
 Timings print the spread of their repeats (decode: of the per-token times); a WARNING line says when
@@ -24,6 +25,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
+from transformers import StaticCache  # noqa: E402
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
@@ -74,6 +76,25 @@ def decode_step_times(model, prompt_len, new_tokens) -> Timing:
         tok = out.logits[:, -1:].argmax(-1)
         times.append(time.perf_counter() - t0)
     return Timing(tuple(times))
+
+
+@torch.no_grad()
+def static_decode_step_times(model, prompt_len, new_tokens, compiled: bool) -> Timing:
+    """Greedy decoding steps over a pre-allocated StaticCache (fixed shapes): eager, or one
+    torch.compile(fullgraph=True) of the model whose first two steps (compilation) are not timed."""
+    x = torch.randint(3, SIZE["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    warmup = 2 if compiled else 0
+    cache = StaticCache(config=model.config, max_cache_len=prompt_len + new_tokens + warmup + 1)
+    out = model(x, past_key_values=cache, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    step = torch.compile(model, fullgraph=True) if compiled else model
+    times = []
+    for _ in range(new_tokens + warmup):
+        t0 = time.perf_counter()
+        out = step(tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return Timing(tuple(times[warmup:]))
 
 
 @torch.no_grad()
@@ -133,6 +154,21 @@ def main(argv=None):
             flush=True,
         )
     warn(spread_warning(times, "decode timings"))
+
+    print(f"\n## compiled decoding (torch.compile fullgraph, StaticCache, B=1, {args.decode_tokens} new tokens)")
+    print("| prompt | eager tokens/s | compiled tokens/s | spread | speed-up |")
+    print("|---|---|---|---|---|")
+    times = {}
+    for prompt in (128, max(args.T)):
+        t_eager = static_decode_step_times(ours, prompt, args.decode_tokens, compiled=False)
+        t_comp = static_decode_step_times(ours, prompt, args.decode_tokens, compiled=True)
+        times.update({f"static decode prompt={prompt} eager": t_eager, f"compiled prompt={prompt}": t_comp})
+        print(
+            f"| {prompt} | {1 / t_eager.median:.0f} | {1 / t_comp.median:.0f} | {spread_cell(t_eager, t_comp)} | "
+            f"{t_eager.median / t_comp.median:.2f}x |",
+            flush=True,
+        )
+    warn(spread_warning(times, "compiled decode timings"))
 
     print("\n## cache after T tokens (fp32) vs an all-MLA model of the same size")
     mla = KimiHybridForCausalLM(

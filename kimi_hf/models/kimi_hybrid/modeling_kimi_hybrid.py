@@ -693,6 +693,9 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _is_stateful = True
+    # torch.compile(fullgraph=True) traces forward and backward (the chunked KDA is a custom op, experts run without
+    # host syncs): generate compiles its decoding steps with a compileable cache (e.g. cache_implementation="static")
+    _can_compile_fullgraph = True
     # decays, gates, short convs and the router stay fp32 under from_pretrained(dtype=bf16 / fp16), as
     # Kimi-Linear's checkpoints store them (model.to(dtype) keeps them too: KeepFP32Mixin)
     _keep_in_fp32_modules_strict = [

@@ -32,6 +32,9 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
     _is_stateful = True
+    # decoding steps (text tokens over the cache) compile as the text model's do; the prefill with images does not
+    # (the vision tower's shapes follow each image's grid) and generate runs it eagerly
+    _can_compile_fullgraph = True
 
 
 class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
@@ -104,16 +107,22 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         input_ids: torch.LongTensor | None,
         pixel_values: torch.Tensor | None,
         image_grid_thw: torch.Tensor | None,
-        decoding: bool,
+        past_key_values: Cache | None,
         inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Token embeddings (or the given inputs_embeds) with the image features written into the placeholder
-        positions."""
+        positions. While decoding (something cached) placeholders need no pixel_values: the images are in the
+        cache already."""
         if inputs_embeds is None:
             is_image = input_ids == self.config.image_token_id
             inputs_embeds = self.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
             if pixel_values is None:
-                if not decoding and (n_slots := int(is_image.sum())):  # decoding: the images are in the cache already
+                # a check that reads values: eager only (a compiled decoding step cannot branch on them)
+                if (
+                    not torch.compiler.is_compiling()
+                    and not _cached_length(past_key_values)
+                    and (n_slots := int(is_image.sum()))
+                ):
                     raise ValueError(
                         f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
                         "but no pixel_values were given"
@@ -122,7 +131,7 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         elif pixel_values is None:
             return inputs_embeds
         mask = self.get_placeholder_mask(input_ids, inputs_embeds)
-        if decoding and not mask.any():  # decoding: the images are in the cache already
+        if _cached_length(past_key_values) > 0 and not mask.any():  # decoding: the images are in the cache already
             return inputs_embeds
         if image_grid_thw is None:
             raise ValueError("pixel_values need image_grid_thw (one [t, h, w] row per image)")
@@ -148,7 +157,7 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         inputs_embeds = self.embed(
-            input_ids, pixel_values, image_grid_thw, _cached_length(past_key_values) > 0, inputs_embeds=inputs_embeds
+            input_ids, pixel_values, image_grid_thw, past_key_values, inputs_embeds=inputs_embeds
         )
         return self.language_model(
             inputs_embeds=inputs_embeds,

@@ -39,6 +39,7 @@ Every common test that fails on our classes is marked xfail(strict=True) with a 
 import contextlib
 import copy
 import functools
+import inspect
 import unittest
 import warnings
 from unittest import mock
@@ -297,6 +298,13 @@ class KimiHybridTextCommonTest(
 ):
     model_tester_class = KimiHybridTextModelTester
     all_model_classes = (KimiHybridTextModel, KimiHybridForCausalLM)
+    # transformers' test_torch_compile_for_training: torch.compile(fullgraph=True) forward and backward match eager
+    _torch_compile_train_cls = KimiHybridForCausalLM
+
+    def test_torch_compile_for_training(self):
+        """transformers marks it @slow and @require_torch_accelerator; on CPU it is the check that
+        `_can_compile_fullgraph = True` is honest for training (fullgraph forward + backward = eager), so it runs."""
+        inspect.unwrap(ModelTesterMixin.test_torch_compile_for_training)(self)
 
     def setUp(self):
         self.model_tester = self.model_tester_class(self)

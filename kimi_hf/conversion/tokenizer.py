@@ -37,12 +37,12 @@ RESERVED = 256
 
 def _byte_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map (what ByteLevel pre-tokenization emits)."""
-    keep = (
+    printable = (
         list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars, extra = {}, 0
     for b in range(256):
-        if b in keep:
+        if b in printable:
             chars[b] = chr(b)
         else:
             chars[b] = chr(256 + extra)

@@ -107,6 +107,11 @@ def kimi_linear_layer_types(num_layers: int) -> list[str]:
     ]
 
 
+def _ids(value) -> list:
+    """A token-id field's ids (eos_token_id may be a list)."""
+    return value if isinstance(value, list) else [value]
+
+
 @strict
 class KimiHybridTextConfig(PreTrainedConfig):
     r"""
@@ -306,21 +311,11 @@ class KimiHybridTextConfig(PreTrainedConfig):
                 f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds the experts of topk_group "
                 f"({self.topk_group}) groups"
             )
-        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the defaults are ids of Kimi's 163840 tokens
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):  # the vocabulary range: check_token_ids
             value = getattr(self, name)
-            ids = value if isinstance(value, list) else [value]
-            if any(
-                i is not None and (isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < self.vocab_size)
-                for i in ids
-            ):
-                default = (
-                    " (the default, an id of Kimi's tokenizer)"
-                    if value == type(self).__dataclass_fields__[name].default
-                    else ""
-                )
+            if any(i is not None and (isinstance(i, bool) or not isinstance(i, int) or i < 0) for i in _ids(value)):
                 raise ValueError(
-                    f"{name} = {value!r}{default} is not a token id of the vocabulary (vocab_size "
-                    f"{self.vocab_size}): pass your tokenizer's {name}, or None"
+                    f"{name} must be a non-negative integer token id (or a list of them for eos), or None; got {value!r}"
                 )
         if self.rms_norm_eps <= 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
@@ -335,7 +330,24 @@ class KimiHybridTextConfig(PreTrainedConfig):
                 f"None or 1, got {bs}"
             )
 
-    def attn_residual_blocks(self) -> int | None:
+    def check_token_ids(self) -> None:
+        """ValueError naming the field when pad / bos / eos ids are not ids of the vocabulary. Run by the model
+        before it builds its embedding, not by the config: transformers builds configs field by field (its
+        common tests set the ids after construction), and the defaults are ids of Kimi's 163840 tokens."""
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+            value = getattr(self, name)
+            if any(i is not None and i >= self.vocab_size for i in _ids(value)):
+                default = (
+                    " (the default, an id of Kimi's tokenizer)"
+                    if value == type(self).__dataclass_fields__[name].default
+                    else ""
+                )
+                raise ValueError(
+                    f"{name} = {value!r}{default} is not a token id of the vocabulary (vocab_size "
+                    f"{self.vocab_size}): pass your tokenizer's {name}, or None"
+                )
+
+    def resolved_attn_residual_block_size(self) -> int | None:
         """Sublayers per depth-attention block, or None for the plain residual."""
         if self.attn_residual == "none":
             return None

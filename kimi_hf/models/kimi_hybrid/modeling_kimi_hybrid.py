@@ -249,16 +249,16 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             use_beta_sigmoid_in_kernel=True,
         )
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
-        keep = past_key_values is not None
+        cache_state = past_key_values is not None
         if packed is not None:  # documents as variable-length sequences of one flattened row
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, beta)]
-            o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=keep, **fused)
-            o, S = o.view(B, T, *o.shape[2:]), (S[packed.last_doc] if keep else None)
+            o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=cache_state, **fused)
+            o, S = o.view(B, T, *o.shape[2:]), (S[packed.last_doc] if cache_state else None)
         elif state is not None and T <= _RECURRENT_MAX_TOKENS:
             o, S = recurrent_kda(q, k, v, f, beta, initial_state=state, output_final_state=True, **fused)
         else:
-            o, S = chunk_kda(q, k, v, f, beta, initial_state=state, output_final_state=keep, **fused)
-        if keep:
+            o, S = chunk_kda(q, k, v, f, beta, initial_state=state, output_final_state=cache_state, **fused)
+        if cache_state:
             past_key_values.update_recurrent_state(S, self.layer_idx)
         gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
         return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
@@ -473,9 +473,11 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         if self.n_group > 1:
             grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
             group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)
-            keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+            kept_groups = torch.zeros_like(group_scores).scatter_(
+                1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0
+            )
             choice = choice.masked_fill(
-                ~keep.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf")
+                ~kept_groups.bool().repeat_interleave(self.num_experts // self.n_group, dim=1), float("-inf")
             )
         return scores, choice.topk(self.top_k, dim=-1).indices
 
@@ -585,15 +587,15 @@ class KimiHybridDepthAttention(nn.Module):
         self.query = nn.Parameter(torch.zeros(hidden_size))
         self.key_norm = KimiHybridDepthKeyNorm(hidden_size, eps=eps)
 
-    def _w(self) -> torch.Tensor:
+    def normed_query(self) -> torch.Tensor:
         return self.key_norm(self.query)
 
     def weights(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
         """[n (+ 1), B, T] fp32 weights over the blocks (and the partial sum, last)."""
-        return depth_attention_weights(self._w(), blocks, partial, self.key_norm.variance_epsilon)
+        return depth_attention_weights(self.normed_query(), blocks, partial, self.key_norm.variance_epsilon)
 
     def forward(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
-        return depth_attention(self._w(), blocks, partial, self.key_norm.variance_epsilon)
+        return depth_attention(self.normed_query(), blocks, partial, self.key_norm.variance_epsilon)
 
 
 def push_depth_output(
@@ -615,7 +617,7 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
     def __init__(self, config: KimiHybridTextConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.block_size = config.attn_residual_blocks()
+        self.block_size = config.resolved_attn_residual_block_size()
         if self.block_size is not None:
             self.attn_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
             self.mlp_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
@@ -745,10 +747,11 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 class KimiHybridTextModel(KimiHybridPreTrainedModel):
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__(config)
+        config.check_token_ids()  # before nn.Embedding asserts on an out-of-range padding_idx
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, config.pad_token_id)
         self.layers = nn.ModuleList([KimiHybridDecoderLayer(config, i) for i in range(config.num_hidden_layers)])
         self.norm = KimiHybridRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        if config.attn_residual_blocks() is not None:  # the last depth attention, before the final norm
+        if config.resolved_attn_residual_block_size() is not None:  # the last depth attention, before the final norm
             self.final_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
@@ -798,7 +801,7 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         hidden_states = inputs_embeds
         # the mask by the config's layer type: under pipeline parallelism another stage's layers are placeholders
         layer_types = self.config.layer_types
-        if self.config.attn_residual_blocks() is None:
+        if self.config.resolved_attn_residual_block_size() is None:
             for layer, layer_type in zip(self.layers, layer_types):
                 hidden_states = layer(
                     hidden_states,
@@ -865,9 +868,9 @@ def router_load_balancing_loss(router_logits, routers, attention_mask: torch.Ten
         probs.append(scores / scores.sum(-1, keepdim=True))
     chosen, probs = torch.cat(chosen), torch.cat(probs)  # [L * N, E]
     if attention_mask is not None and attention_mask.ndim == 2:
-        keep = attention_mask.reshape(-1).to(probs.device).repeat(len(router_logits)).float()[:, None]
-        if keep.shape[0] == probs.shape[0]:
-            return E * ((chosen * keep).sum(0) / keep.sum() * (probs * keep).sum(0) / keep.sum()).sum()
+        valid = attention_mask.reshape(-1).to(probs.device).repeat(len(router_logits)).float()[:, None]
+        if valid.shape[0] == probs.shape[0]:
+            return E * ((chosen * valid).sum(0) / valid.sum() * (probs * valid).sum(0) / valid.sum()).sum()
     return E * (chosen.mean(0) * probs.mean(0)).sum()
 
 
@@ -930,8 +933,8 @@ def lm_output(
     """The language-model head on a decoder's outputs: logits (of the last `logits_to_keep` positions),
     the shifted cross-entropy when labels are given, plus the weighted router load-balancing loss
     when `output_router_logits`. Shared by the text-only and the multimodal models."""
-    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = model.lm_head(outputs.last_hidden_state[:, keep, :])
+    positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = model.lm_head(outputs.last_hidden_state[:, positions, :])
     loss = aux_loss = None
     if labels is not None:
         loss = model.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)

@@ -10,7 +10,11 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutputWithPooling, MoeCausalLMOutputWithPast, MoeModelOutputWithPast
+from transformers.modeling_outputs import (
+    BaseModelOutputWithPooling,
+    MultimodalMoeBaseModelOutputWithPast,
+    MultimodalMoeCausalLMOutputWithPast,
+)
 from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
@@ -109,10 +113,10 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         image_grid_thw: torch.Tensor | None,
         past_key_values: Cache | None,
         inputs_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, BaseModelOutputWithPooling | None]:
         """Token embeddings (or the given inputs_embeds) with the image features written into the placeholder
-        positions. While decoding (something cached) placeholders need no pixel_values: the images are in the
-        cache already."""
+        positions, and the vision tower's output (None when no image was encoded). While decoding (something
+        cached) placeholders need no pixel_values: the images are in the cache already."""
         if inputs_embeds is None:
             is_image = input_ids == self.config.image_token_id
             inputs_embeds = self.get_input_embeddings()(input_ids.masked_fill(is_image, 0))
@@ -127,17 +131,20 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
                         f"input_ids hold {n_slots} image placeholder tokens (id {self.config.image_token_id}) "
                         "but no pixel_values were given"
                     )
-                return inputs_embeds
+                return inputs_embeds, None
         elif pixel_values is None:
-            return inputs_embeds
+            return inputs_embeds, None
         mask = self.get_placeholder_mask(input_ids, inputs_embeds)
         if _cached_length(past_key_values) > 0 and not mask.any():  # decoding: the images are in the cache already
-            return inputs_embeds
+            return inputs_embeds, None
         if image_grid_thw is None:
             raise ValueError("pixel_values need image_grid_thw (one [t, h, w] row per image)")
-        features = torch.cat(self.get_image_features(pixel_values, image_grid_thw).pooler_output)
+        image_outputs = self.get_image_features(pixel_values, image_grid_thw)
+        features = torch.cat(image_outputs.pooler_output)
         self._check_placeholder_count(mask, features, "input_ids" if input_ids is not None else "inputs_embeds")
-        return inputs_embeds.masked_scatter(mask, features.to(inputs_embeds.device, inputs_embeds.dtype))
+        return inputs_embeds.masked_scatter(
+            mask, features.to(inputs_embeds.device, inputs_embeds.dtype)
+        ), image_outputs
 
     @can_return_tuple
     def forward(
@@ -152,14 +159,16 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         use_cache: bool | None = None,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeModelOutputWithPast:
+    ) -> MultimodalMoeBaseModelOutputWithPast:
+        """The text model's outputs plus `image_outputs`, the vision tower's BaseModelOutputWithPooling (pooler_output:
+        one tensor of projected features per image) when images were encoded in this call."""
         past_key_values = cache if cache is not None else past_key_values
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
-        inputs_embeds = self.embed(
+        inputs_embeds, image_outputs = self.embed(
             input_ids, pixel_values, image_grid_thw, past_key_values, inputs_embeds=inputs_embeds
         )
-        return self.language_model(
+        outputs = self.language_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,
             position_ids=position_ids,
@@ -167,6 +176,7 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
             use_cache=use_cache,
             **kwargs,
         )
+        return MultimodalMoeBaseModelOutputWithPast(**outputs, image_outputs=image_outputs)
 
 
 class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, GenerationMixin):
@@ -207,7 +217,7 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
         logits_to_keep: int | torch.Tensor = 0,
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
-    ) -> MoeCausalLMOutputWithPast:
+    ) -> MultimodalMoeCausalLMOutputWithPast:
         text_config = self.config.text_config
         if output_router_logits is None:
             output_router_logits = text_config.output_router_logits
@@ -223,9 +233,10 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        return lm_output(
+        output = lm_output(
             self, outputs, text_config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs
         )
+        return MultimodalMoeCausalLMOutputWithPast(**output, image_outputs=outputs.image_outputs)
 
 
 __all__ = ["KimiHybridModel", "KimiHybridForConditionalGeneration", "KimiHybridMultimodalPreTrainedModel"]

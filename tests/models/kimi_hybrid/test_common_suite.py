@@ -267,24 +267,13 @@ class _Common:
         pass
 
 
-# The failures, one line each; "issue 16 item N": the N-th of these failures in the list that issue 16 keeps.
-ITEM_1 = (
-    "KimiHybridTextConfig's default pad/bos/eos ids (163839/163584/163586, Kimi's tokenizer) are refused by "
-    "configuration_kimi_hybrid._validate for a smaller vocab_size, so a config without them cannot be built: "
-    "deliberate (issue 15: token ids outside the vocabulary raise a ValueError naming the field)"
-)
-ITEM_3 = (
+# The common tests we fail on purpose, with why.
+PLACEHOLDERS_NEED_PIXELS = (
     "KimiHybridModel.embed raises 'image placeholder tokens but no pixel_values' for the input_ids-only batch "
-    "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): issue 16 item 3"
+    "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): deliberate, a "
+    "prompt whose images were forgotten must not run as text (test_modeling_multimodal.py tests the error)"
 )
-ITEM_4 = (
-    "KimiHybridForConditionalGeneration/KimiHybridModel.forward return no `image_outputs` (the vision tower's "
-    "BaseModelOutputWithPooling) in their outputs: issue 16 item 4"
-)
-
-XFAIL_TEXT = {
-    "test_model_forward_default_config_values": ITEM_1,
-}
+XFAIL_TEXT = {}
 
 
 @xfail_tests(XFAIL_TEXT)
@@ -429,9 +418,7 @@ class KimiHybridVLMTester:
 
 
 XFAIL_VLM = {
-    "test_model_forward_default_config_values": ITEM_1,
-    "test_eager_matches_sdpa_inference_*": ITEM_3,
-    "test_multimodal_outputs_are_returned": ITEM_4,
+    "test_eager_matches_sdpa_inference_*": PLACEHOLDERS_NEED_PIXELS,
 }
 
 

@@ -1,5 +1,7 @@
 """KimiHybridTextConfig: the three spellings of Kimi Linear's config, defaults, validation, Auto classes."""
 
+import re
+
 import pytest
 from transformers import AutoConfig
 
@@ -90,9 +92,8 @@ def test_save_load_and_auto_config(tmp_path):
         (dict(n_group=2, topk_group=3), "topk_group"),
         (dict(num_key_value_heads=1), "num_key_value_heads"),
         (dict(mla_use_nope=False), "mla_use_nope"),
-        (dict(pad_token_id=97), "pad_token_id"),
         (dict(bos_token_id=-1), "bos_token_id"),
-        (dict(eos_token_id=[2, 200]), "eos_token_id"),
+        (dict(eos_token_id=[2, "3"]), "eos_token_id"),
         (
             dict(linear_attn_config={"kda_layers": [1, 2, 3], "full_attn_layers": [9]}, layer_types=None),
             "linear_attn_config",
@@ -104,6 +105,15 @@ def test_invalid_configs_name_the_field(overrides, field):
         tiny_config(**overrides)
 
 
+def test_a_token_id_outside_the_vocabulary_is_refused_by_the_model():
+    from kimi_hf import KimiHybridForCausalLM
+
+    for field, value in (("pad_token_id", 97), ("eos_token_id", [2, 200])):  # vocab_size 97: ids 0..96
+        config = tiny_config(**{field: value})
+        with pytest.raises(ValueError, match=re.escape(f"{field} = {value!r} is not a token id of the vocabulary")):
+            KimiHybridForCausalLM(config)
+
+
 def test_layer_pattern_helper():
     assert kimi_linear_layer_types(6) == ["linear_attention"] * 3 + [
         "full_attention",
@@ -113,9 +123,16 @@ def test_layer_pattern_helper():
 
 
 def test_small_vocabulary_with_kimi_default_token_ids_raises_a_value_error():
-    """Issue: KimiHybridTextConfig(vocab_size=512, ...) kept Kimi's ids (163839, ...) and nn.Embedding asserted."""
+    """Issue: KimiHybridTextConfig(vocab_size=512, ...) kept Kimi's ids (163839, ...) and nn.Embedding asserted.
+    The model refuses them by name; the config alone builds (transformers sets fields after construction)."""
+    from kimi_hf import KimiHybridForCausalLM
+
+    small = KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4)
     with pytest.raises(ValueError, match=r"pad_token_id = 163839 \(the default.*vocab_size 512"):
-        KimiHybridTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4)
+        KimiHybridForCausalLM(small)
+    small.pad_token_id, small.bos_token_id = None, 1
+    with pytest.raises(ValueError, match=r"eos_token_id = 163586 \(the default"):
+        small.check_token_ids()
     cfg = KimiHybridTextConfig(
         vocab_size=512, hidden_size=64, num_hidden_layers=4, pad_token_id=None, bos_token_id=1, eos_token_id=[2, 3]
     )

@@ -4,9 +4,20 @@ Kimi's repositories ship `tiktoken.model` (one "base64(token) rank" line per tok
 `tokenization_kimi.py` (remote code needing the `tiktoken` package). The fast tokenizer is byte-level
 BPE over the same ranks: merges are every (left, right) split of a token whose halves are tokens,
 ordered by the merged token's rank, with `ignore_merges` (tiktoken looks a whole piece up before
-merging); the pre-tokenizer splits with Kimi's pattern; the 256 ids after the ranks are special
-tokens, named by tokenizer_config.json's added_tokens_decoder or `<|reserved_token_{id}|>`.
-No `tiktoken` package is needed.
+merging); the pre-tokenizer splits with Kimi's pattern; the 256 ids after the ranks are added tokens,
+named by tokenizer_config.json's added_tokens_decoder or `<|reserved_token_{id}|>`, special unless the
+config marks them `"special": false`. No `tiktoken` package is needed.
+
+Two families share the format and differ in the added tokens (ids by offset from the number of ranks,
+163584 in the released files; the offsets let tiny test vocabularies use the same table):
+
+- Kimi K2 / K2.5 / Kimi-Linear: chat markup `<|im_user|>` ... `<|im_end|>` (turn end at offset 2).
+- Kimi K3: XTML markup `<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>`
+  (`K3_SPECIAL_TOKENS`). `<|close|>` and `<|sep|>` are not special: they decode literally, also with
+  `skip_special_tokens=True`. The tokenizer's eos is `[EOS]` (end of document), while K3's config and
+  generation stop at `<|end_of_msg|>` (end of turn): `chat_stop_token_ids` / `generation_token_ids`.
+
+The family is read off tokenizer_config.json's added_tokens_decoder (`tokenizer_family`), not a flag.
 """
 
 from __future__ import annotations
@@ -15,7 +26,7 @@ import base64
 import json
 import os
 
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 
@@ -33,6 +44,31 @@ KIMI_PATTERN = "|".join(
     ]
 )
 RESERVED = 256
+
+# Kimi K3's added tokens by offset from the number of BPE ranks (163584 in the released tiktoken.model):
+# offset -> (content, special). The offsets not listed are `<|reserved_token_{id}|>` (special).
+K3_SPECIAL_TOKENS = {
+    0: ("[BOS]", True),
+    1: ("[EOS]", True),  # the tokenizer's eos: end of document
+    2: ("<|end_of_msg|>", True),  # end of a chat message: K3's config / generation eos
+    3: ("<|open|>", True),
+    4: ("<|close|>", False),  # not special: `<|close|>message<|sep|>` survives skip_special_tokens
+    5: ("<|sep|>", False),
+    6: ("[start_header_id]", True),
+    7: ("[end_header_id]", True),
+    9: ("[EOT]", True),
+    18: ("<|media_begin|>", True),
+    19: ("<|media_content|>", True),
+    20: ("<|media_end|>", True),
+    21: ("<|media_pad|>", True),  # the image placeholder (media_placeholder_token_id)
+    65: ("<osagent_mode>", True),
+    254: ("[UNK]", True),
+    255: ("[PAD]", True),
+}
+K3_TURN_END = "<|end_of_msg|>"
+K2_TURN_END = "<|im_end|>"
+# the roles K3's tokenizer_config.json gives its tokens, used where a K3 config leaves one out
+K3_ROLES = {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
 
 
 def _byte_to_unicode() -> dict[int, str]:
@@ -67,9 +103,69 @@ def read_tiktoken(path: str) -> dict[bytes, int]:
     return ranks
 
 
+def _content(value) -> str | None:
+    """A tokenizer_config.json token entry: a string or an AddedToken-like {"content": ...} dict."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def tokenizer_family(source) -> str | None:
+    """Which Kimi tokenizer this is, from its added tokens' names: "k3" (`<|end_of_msg|>`, `<|open|>`),
+    "k2" (K2 / K2.5 / Kimi-Linear: `<|im_end|>`) or None. `source`: a tokenizer_config.json dict (its
+    added_tokens_decoder), a path to one, or a tokenizer (its added_tokens_decoder)."""
+    if isinstance(source, (str, os.PathLike)):
+        with open(source) as f:
+            source = json.load(f)
+    if isinstance(source, dict):
+        names = {_content(v) for v in (source.get("added_tokens_decoder") or {}).values()}
+    else:
+        names = {t.content for t in source.added_tokens_decoder.values()}
+    if K3_TURN_END in names and "<|open|>" in names:
+        return "k3"
+    if K2_TURN_END in names:
+        return "k2"
+    return None
+
+
+def special_token_table(config: dict, n_ranks: int) -> list[AddedToken]:
+    """The RESERVED added tokens at ids n_ranks .. n_ranks + 255, in id order: named and flagged by the
+    config's added_tokens_decoder (`special` defaults to true, or to K3_SPECIAL_TOKENS' flag for a K3
+    name), else `<|reserved_token_{id}|>` (special). Matched whole, never normalised or stripped unless
+    the config says so."""
+    decoder = {int(k): v for k, v in (config.get("added_tokens_decoder") or {}).items()}
+    outside = sorted(i for i in decoder if not n_ranks <= i < n_ranks + RESERVED)
+    if outside:
+        raise ValueError(
+            f"added_tokens_decoder ids {outside[:5]} lie outside the {RESERVED} ids after the {n_ranks} ranks"
+        )
+    k3_flags = dict(K3_SPECIAL_TOKENS.values()) if tokenizer_family(config) == "k3" else {}
+    table = []
+    for i in range(n_ranks, n_ranks + RESERVED):
+        entry = decoder.get(i, {})
+        entry = {"content": entry} if isinstance(entry, str) else entry
+        content = entry.get("content") or f"<|reserved_token_{i}|>"
+        special = entry.get("special", k3_flags.get(content, True))
+        table.append(
+            AddedToken(
+                content,
+                single_word=bool(entry.get("single_word", False)),
+                lstrip=bool(entry.get("lstrip", False)),
+                rstrip=bool(entry.get("rstrip", False)),
+                normalized=bool(entry.get("normalized", False)),
+                special=bool(special),
+            )
+        )
+    return table
+
+
 def tiktoken_to_fast(
     model_file: str, config_file: str | None = None, pattern: str = KIMI_PATTERN, chat_template: str | None = None
 ) -> PreTrainedTokenizerFast:
+    """tiktoken.model (+ tokenizer_config.json) -> a fast tokenizer of len(ranks) + 256 ids: the ranks'
+    byte-level BPE, then the added tokens of `special_token_table` (special ones skipped by
+    `skip_special_tokens`, the others, K3's `<|close|>` / `<|sep|>`, kept), bos / eos / pad / unk from the
+    config (a K3 config's missing ones from K3_ROLES)."""
     ranks = read_tiktoken(model_file)
     to_char = _byte_to_unicode()
     text = lambda b: "".join(to_char[x] for x in b)  # noqa: E731
@@ -92,24 +188,49 @@ def tiktoken_to_fast(
     if config_file is not None and os.path.exists(config_file):
         with open(config_file) as f:
             config = json.load(f)
-    named = {int(k): v["content"] for k, v in (config.get("added_tokens_decoder") or {}).items()}
     n = len(ranks)
-    specials = [named.get(i, f"<|reserved_token_{i}|>") for i in range(n, n + RESERVED)]
-    kwargs = {
-        key: config[key]
-        for key in ("bos_token", "eos_token", "pad_token", "unk_token")
-        if isinstance(config.get(key), str) and config[key] in specials
-    }
+    table = special_token_table(config, n)
+    # one call, in id order: the added tokens take ids n, n + 1, ... and keep their own `special` flag
+    # (the flag is what the Rust decoder's skip_special_tokens consults)
+    tok.add_tokens(table)
+    specials = {t.content for t in table if t.special}
+    roles = {key: _content(config.get(key)) for key in K3_ROLES}
+    if tokenizer_family(config) == "k3":
+        roles = {key: name or K3_ROLES[key] for key, name in roles.items()}
+    kwargs = {key: name for key, name in roles.items() if name in specials}
     # generation continues each row's right edge: batched pipelines use the saved padding side
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side=config.get("padding_side", "left"), **kwargs)
-    fast.add_special_tokens(
-        {"additional_special_tokens": [s for s in specials if s not in kwargs.values()]},
-        replace_extra_special_tokens=False,
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        padding_side=config.get("padding_side", "left"),
+        extra_special_tokens=[t.content for t in table if t.special and t.content not in kwargs.values()],
+        **kwargs,
     )
-    if fast.convert_tokens_to_ids(specials[0]) != n:
-        raise ValueError(f"special tokens did not land at ids {n}.. (got {fast.convert_tokens_to_ids(specials[0])})")
+    if fast.convert_tokens_to_ids(table[0].content) != n or len(fast) != n + RESERVED:
+        raise ValueError(f"added tokens did not land at ids {n} .. {n + RESERVED - 1}")
     fast.chat_template = chat_template or config.get("chat_template")
     return fast
+
+
+def chat_stop_token_ids(tokenizer) -> list[int]:
+    """The ids chat generation stops on, for a converted Kimi tokenizer (the generation config's
+    `eos_token_id`): K3: [<|end_of_msg|>, [EOS]] (K3's config eos, the end of every message, first; the
+    tokenizer's own eos second); K2 / Kimi-Linear: [eos, <|im_end|>]; otherwise [eos]."""
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    family = tokenizer_family(tokenizer)
+    if family is None:
+        return eos
+    turn_end = tokenizer.convert_tokens_to_ids(K3_TURN_END if family == "k3" else K2_TURN_END)
+    if family == "k3":
+        return [turn_end] + [i for i in eos if i != turn_end]
+    return eos + [turn_end] * (turn_end not in eos)
+
+
+def generation_token_ids(tokenizer) -> dict:
+    """bos / eos / pad ids for a generation_config.json (or a model config) of this tokenizer's model:
+    eos is `chat_stop_token_ids` (K3 released: bos 163584, eos [163586, 163585], pad 163839)."""
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": chat_stop_token_ids(tokenizer)}
+    ids["pad_token_id"] = tokenizer.pad_token_id
+    return {k: v for k, v in ids.items() if v is not None and v != []}
 
 
 def convert_tokenizer_dir(src: str, dst: str) -> bool:
@@ -127,4 +248,14 @@ def convert_tokenizer_dir(src: str, dst: str) -> bool:
     return True
 
 
-__all__ = ["KIMI_PATTERN", "read_tiktoken", "tiktoken_to_fast", "convert_tokenizer_dir"]
+__all__ = [
+    "KIMI_PATTERN",
+    "K3_SPECIAL_TOKENS",
+    "read_tiktoken",
+    "tokenizer_family",
+    "special_token_table",
+    "tiktoken_to_fast",
+    "chat_stop_token_ids",
+    "generation_token_ids",
+    "convert_tokenizer_dir",
+]

@@ -1,5 +1,6 @@
 """Kimi's tiktoken files -> a fast tokenizer (no `tiktoken` package): the ranks' BPE with Kimi's split
-pattern, the 256 reserved special ids, and the conversion tool writing tokenizer.json next to the weights."""
+pattern, the 256 reserved special ids, Kimi K3's added tokens (XTML markup, two of them not special), and
+the conversion tool writing tokenizer.json next to the weights."""
 
 import base64
 import json
@@ -8,7 +9,15 @@ import shutil
 import pytest
 from transformers import AutoTokenizer
 
-from kimi_hf.conversion.tokenizer import read_tiktoken, tiktoken_to_fast
+from kimi_hf.conversion.tokenizer import (
+    K3_SPECIAL_TOKENS,
+    chat_stop_token_ids,
+    convert_tokenizer_dir,
+    generation_token_ids,
+    read_tiktoken,
+    tiktoken_to_fast,
+    tokenizer_family,
+)
 
 from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F401  (fixture)
 
@@ -16,14 +25,19 @@ from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F
 EXTRA = [b"he", b"ll", b"hell", b"hello", b" w", b"or", b" wor", b"ld", b" world", "中".encode()[:2], "中".encode()]
 
 
-def write_kimi_tokenizer(folder):
+def write_ranks(folder, extra=EXTRA):
+    """tiktoken.model: the 256 bytes, then `extra` by rank. Returns the number of ranks."""
     ranks = {bytes([b]): b for b in range(256)}
-    for t in EXTRA:
+    for t in extra:
         ranks[t] = len(ranks)
     with open(folder / "tiktoken.model", "wb") as f:
         for t, r in ranks.items():
             f.write(base64.b64encode(t) + b" " + str(r).encode() + b"\n")
-    n = len(ranks)
+    return len(ranks)
+
+
+def write_kimi_tokenizer(folder):
+    n = write_ranks(folder)
     cfg = {
         "added_tokens_decoder": {
             str(n): {"content": "[BOS]", "special": True},
@@ -71,3 +85,130 @@ def test_conversion_writes_tokenizer_json(native_dir, tmp_path):  # noqa: F811
     eos = json.loads((tmp_path / "ours" / "generation_config.json").read_text())["eos_token_id"]
     eos = [eos] if isinstance(eos, int) else eos
     assert tok.eos_token_id in eos and tok.convert_tokens_to_ids("<|im_end|>") in eos
+
+
+# ---- Kimi K3 ----
+K3_EXTRA = [b"me", b"ss", b"mess", b"ag", b"age", b"message", b"ro", b"le", b"role", b"us", b"er", b"user", b"hi"]
+K3_MARKUP = '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
+
+
+def write_k3_tokenizer(folder, flags=True):
+    """K3's tiktoken files at a reduced vocabulary: its added tokens at the same offsets from the number
+    of ranks as the released 163584 (tokenizer_config.json as K3 writes it: AddedToken dicts with their
+    `special` flags; `flags=False` leaves the flags out). Returns the number of ranks."""
+    n = write_ranks(folder, K3_EXTRA)
+
+    def entry(name, special):
+        e = {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
+        return e | ({"special": special} if flags else {})
+
+    decoder = {str(n + off): entry(name, special) for off, (name, special) in K3_SPECIAL_TOKENS.items()}
+    for off in range(256):  # K3 names the reserved ids too, by their own id
+        decoder.setdefault(str(n + off), entry(f"<|reserved_token_{n + off}|>", True))
+    cfg = {
+        "added_tokens_decoder": decoder,
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "tokenizer_class": "TikTokenTokenizer",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return n
+
+
+def k3_fast(folder, **kwargs):
+    n = write_k3_tokenizer(folder, **kwargs)
+    return n, tiktoken_to_fast(str(folder / "tiktoken.model"), str(folder / "tokenizer_config.json"))
+
+
+def test_k3_table_is_the_released_one():
+    # the released ids (163584 ranks), as K3's tokenizer_config.json lists them
+    released = {163584 + off: name for off, (name, _) in K3_SPECIAL_TOKENS.items()}
+    assert released == {
+        163584: "[BOS]",
+        163585: "[EOS]",
+        163586: "<|end_of_msg|>",
+        163587: "<|open|>",
+        163588: "<|close|>",
+        163589: "<|sep|>",
+        163590: "[start_header_id]",
+        163591: "[end_header_id]",
+        163593: "[EOT]",
+        163602: "<|media_begin|>",
+        163603: "<|media_content|>",
+        163604: "<|media_end|>",
+        163605: "<|media_pad|>",
+        163649: "<osagent_mode>",
+        163838: "[UNK]",
+        163839: "[PAD]",
+    }
+    assert [name for name, special in K3_SPECIAL_TOKENS.values() if not special] == ["<|close|>", "<|sep|>"]
+
+
+@pytest.mark.parametrize("flags", [True, False], ids=["config_flags", "k3_default_flags"])
+def test_k3_ids_and_special_flags(tmp_path, flags):
+    n, fast = k3_fast(tmp_path, flags=flags)
+    assert len(fast) == n + 256
+    for off, (name, special) in K3_SPECIAL_TOKENS.items():
+        assert fast.convert_tokens_to_ids(name) == n + off, name
+        assert fast.added_tokens_decoder[n + off].special is special, name
+        assert fast.encode(name) == [n + off], name  # matched whole
+    assert fast.convert_tokens_to_ids(f"<|reserved_token_{n + 8}|>") == n + 8
+    assert fast.added_tokens_decoder[n + 8].special
+    assert (fast.bos_token, fast.eos_token, fast.pad_token, fast.unk_token) == ("[BOS]", "[EOS]", "[PAD]", "[UNK]")
+    assert (fast.bos_token_id, fast.eos_token_id, fast.pad_token_id) == (n, n + 1, n + 255)
+    assert "<|close|>" not in fast.all_special_tokens and "<|open|>" in fast.all_special_tokens
+
+
+def test_k3_markup_round_trip(tmp_path):
+    n, fast = k3_fast(tmp_path)
+    ids = fast.encode(K3_MARKUP)
+    w = fast.convert_tokens_to_ids  # the BPE words by rank; " role" is no rank: a space, then "role"
+    open_, close, sep, end = n + 3, n + 4, n + 5, n + 2
+    head = [open_, w("message"), 32, w("role"), 61, 34, w("user"), 34, sep]  # <|open|>message role="user"<|sep|>
+    assert ids == head + [w("hi"), close, w("message"), sep, end]
+    assert fast.decode(ids) == K3_MARKUP
+    # <|close|> / <|sep|> are not special: they stay; <|open|> / <|end_of_msg|> go
+    assert fast.decode(ids, skip_special_tokens=True) == 'message role="user"<|sep|>hi<|close|>message<|sep|>'
+    assert fast.encode(K3_MARKUP, add_special_tokens=True) == ids  # K3 prepends no BOS
+
+
+def test_k3_family_and_generation_ids(tmp_path):
+    n, fast = k3_fast(tmp_path)
+    assert tokenizer_family(str(tmp_path / "tokenizer_config.json")) == "k3" and tokenizer_family(fast) == "k3"
+    # the tokenizer's eos is [EOS] (end of document); chat stops at <|end_of_msg|> (K3's config eos) first
+    assert fast.eos_token_id == n + 1
+    assert chat_stop_token_ids(fast) == [n + 2, n + 1]
+    assert generation_token_ids(fast) == {"bos_token_id": n, "eos_token_id": [n + 2, n + 1], "pad_token_id": n + 255}
+    k2 = tmp_path / "k2"
+    k2.mkdir()
+    m = write_kimi_tokenizer(k2)
+    k2_fast = tiktoken_to_fast(str(k2 / "tiktoken.model"), str(k2 / "tokenizer_config.json"))
+    assert tokenizer_family(str(k2 / "tokenizer_config.json")) == "k2" == tokenizer_family(k2_fast)
+    assert chat_stop_token_ids(k2_fast) == [m + 1, m + 2]  # [EOS], <|im_end|>
+
+
+def test_k3_saved_folder_reloads(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    n = write_k3_tokenizer(src)
+    assert convert_tokenizer_dir(str(src), str(dst))
+    assert not convert_tokenizer_dir(str(dst), str(tmp_path / "again"))  # a tokenizer.json is there already
+    tok = AutoTokenizer.from_pretrained(dst)
+    assert len(tok) == n + 256 and tok.chat_template is None  # chat templates are not the converter's
+    for off, (name, special) in K3_SPECIAL_TOKENS.items():
+        assert tok.convert_tokens_to_ids(name) == n + off and tok.added_tokens_decoder[n + off].special is special
+    ids = tok.encode(K3_MARKUP)
+    assert tok.decode(ids) == K3_MARKUP
+    assert tok.decode(ids, skip_special_tokens=True) == 'message role="user"<|sep|>hi<|close|>message<|sep|>'
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (n, n + 1, n + 255)
+    assert chat_stop_token_ids(tok) == [n + 2, n + 1]
+
+
+def test_added_tokens_outside_the_reserved_ids_raise(tmp_path):
+    n = write_ranks(tmp_path)
+    cfg = {"added_tokens_decoder": {str(n + 256): {"content": "<|late|>", "special": True}}}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=str(n + 256)):
+        tiktoken_to_fast(str(tmp_path / "tiktoken.model"), str(tmp_path / "tokenizer_config.json"))

@@ -1,5 +1,6 @@
 """Kimi Delta Attention: what is done to the inputs before any path runs (the q/k L2 norm, the gate
-g = -exp(A_log) softplus(f + dt_bias), the casts to the compute dtype) and the input checks.
+g = -exp(A_log) softplus(f + dt_bias) or Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)),
+the casts to the compute dtype) and the input checks.
 
 Part of the flat, Hub-copyable model folder: torch only.
 """
@@ -20,18 +21,36 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def kda_gate(f: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """KDA's per-channel log-decay, in fp32: g = -exp(A_log[h]) * softplus(f + dt_bias).
+def kda_gate(
+    f: torch.Tensor,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+) -> torch.Tensor:
+    """KDA's per-channel log-decay g [B, T, H, K], in fp32 (fp64 for fp64 f, as the rest of the op):
 
-    f: [B, T, H, K] (the low-rank forget projection); A_log: [H]; dt_bias: [H * K] or None.
-    softplus is linear above 20 (torch's threshold), as in fla and transformers. No lower bound is
-    applied: Kimi-Linear was trained without one, so g can be very negative.
+    - lower_bound None (Kimi-Linear): g = -exp(A_log[h]) * softplus(f + dt_bias), in (-inf, 0];
+    - lower_bound < 0 (Kimi K3's "safe gate", fla's `safe_gate=True, lower_bound=...`):
+      g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias)), in [lower_bound, 0]; A_log may be None
+      (then exp(A_log) is 1, as in fla).
+
+    f: [B, T, H, K] (the low-rank forget projection); A_log: [H] (required without lower_bound);
+    dt_bias: [H * K] (or [H, K]) or None. Order as in fla and the K3 release: dt_bias is added to f first,
+    then the per-head scale exp(A_log), then the activation. softplus is linear above 20 (torch's
+    threshold, as in fla and transformers). Kimi-Linear was trained without a lower bound, so its g can be
+    very negative; the safe gate bounds every step's decay to at least exp(lower_bound).
     """
     H, K = f.shape[-2:]
-    f = f.float()
+    x = f.to(torch.float64 if f.dtype == torch.float64 else torch.float32)
     if dt_bias is not None:
-        f = f + dt_bias.float().view(H, K)
-    return -A_log.float().exp().view(H, 1) * F.softplus(f)
+        x = x + dt_bias.to(x.dtype).view(H, K)
+    if lower_bound is None:
+        if A_log is None:
+            raise ValueError("kda_gate: A_log is required for the gate without a lower_bound")
+        return -A_log.to(x.dtype).exp().view(H, 1) * F.softplus(x)
+    if A_log is not None:
+        x = A_log.to(x.dtype).exp().view(H, 1) * x
+    return float(lower_bound) * torch.sigmoid(x)
 
 
 # --------------------------------------------------------------------------------------------
@@ -55,17 +74,40 @@ def _is_fake(x: torch.Tensor) -> bool:
 
 
 def _check_fusions(q, gate_args) -> None:
-    """Checks A_log [H] and dt_bias [H * K] (or [H, K]) of the fused gate (use_gate_in_kernel)."""
-    use_gate, A_log, dt_bias = gate_args
+    """Checks the fused gate's arguments (use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound):
+    A_log [H], dt_bias [H * K] (or [H, K]) and the safe gate's lower bound.
+
+    Semantics (fla's): with use_gate_in_kernel=True, lower_bound selects the gate: None gives Kimi-Linear's
+    -exp(A_log) softplus(f + dt_bias) (A_log required), a number < 0 Kimi K3's bounded
+    lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (A_log optional). safe_gate=True asks for the bounded gate
+    and so requires lower_bound; lower_bound alone gives the same gate (in fla, too, the formula follows
+    lower_bound, and safe_gate additionally picks its bounded-gate kernel path). Without use_gate_in_kernel,
+    g is already the log-decay: A_log, dt_bias, safe_gate and lower_bound are refused.
+    """
+    use_gate, A_log, dt_bias, safe_gate, lower_bound = gate_args
     H, K = q.shape[2:]
     if not use_gate:
+        if safe_gate or lower_bound is not None:
+            name = "safe_gate=True" if safe_gate else "lower_bound"
+            raise ValueError(
+                f"{name} requires use_gate_in_kernel=True (the bounded gate is computed inside from the raw "
+                "forget input g)"
+            )
         if A_log is not None or dt_bias is not None:
             raise ValueError(
                 "A_log and dt_bias are only used with use_gate_in_kernel=True (g is then the raw forget input)"
             )
         return
+    if safe_gate and lower_bound is None:
+        raise ValueError("safe_gate=True needs a lower_bound < 0 (Kimi K3 uses -5.0): g = lower_bound * sigmoid(...)")
+    if lower_bound is not None:
+        if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+            raise TypeError(f"lower_bound must be a number (float), got {type(lower_bound).__name__}")
+        # < 0: the bounded gate is then a decay (g <= 0), which the chunked paths need
+        if not math.isfinite(lower_bound) or lower_bound >= 0:
+            raise ValueError(f"lower_bound must be a finite number < 0 (Kimi K3 uses -5.0), got {lower_bound!r}")
     for name, x, shapes in (("A_log", A_log, [(H,)]), ("dt_bias", dt_bias, [(H * K,), (H, K)])):
-        if x is None and name == "dt_bias":
+        if x is None and (name == "dt_bias" or lower_bound is not None):  # the bounded gate works without A_log
             continue
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor with use_gate_in_kernel=True, got {type(x).__name__}")
@@ -77,9 +119,10 @@ def _check_fusions(q, gate_args) -> None:
 
 
 def _check_inputs(
-    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, gate_args=(False, None, None)
+    q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, gate_args=(False, None, None, False, None)
 ) -> tuple[float, int]:
-    """Validates the public arguments; returns (scale, number of sequences N)."""
+    """Validates the public arguments; returns (scale, number of sequences N). gate_args: (use_gate_in_kernel,
+    A_log, dt_bias, safe_gate, lower_bound), see `_check_fusions`."""
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")

@@ -9,6 +9,7 @@ num_experts_per_token, num_shared_experts, moe_renormalize, first_k_dense_replac
 from __future__ import annotations
 
 from huggingface_hub.dataclasses import strict
+from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
 from .configuration_kimi_hybrid_vision import KimiHybridVisionConfig
@@ -64,6 +65,8 @@ TP_PLAN = {
     "layers.*.self_attn.q_b_proj": "colwise",
     "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
     "layers.*.self_attn.kv_b_proj": "colwise",
+    # Kimi K3's output gates, per head channel: KDA's full-rank g_proj [H K, hidden], MLA's g_proj [H v, hidden]
+    "layers.*.self_attn.g_proj": "colwise",
     "layers.*.self_attn.o_proj": "rowwise",  # KDA and MLA
     "layers.*.self_attn": "local_params",
     # MoE (as transformers' kimi_linear / deepseek_v3): every expert's intermediate dim split over the ranks
@@ -109,6 +112,110 @@ def kimi_linear_layer_types(num_layers: int) -> list[str]:
     ]
 
 
+_LINEAR_ATTN_CONFIG_KEYS = {
+    "num_heads",
+    "head_dim",
+    "short_conv_kernel_size",
+    "kda_layers",
+    "full_attn_layers",
+    "use_full_rank_gate",
+    "gate_lower_bound",
+}
+_ACTIVATIONS = set(ACT2FN)
+
+# Fields of Moonshot's config.json (Kimi Linear, Kimi K3) that describe a choice this model makes one way only:
+# a value other than the one implemented is an architecture we do not run, never dropped silently.
+_MOONSHOT_FIXED = {
+    "moe_router_activation_func": ("sigmoid",),
+    "topk_method": ("noaux_tc",),
+    "moe_layer_freq": (1,),
+    "num_nextn_predict_layers": (0,),
+}
+# Generic fields transformers (or its older versions) writes into every config.json: not architecture.
+_GENERIC_FIELDS = {
+    "_name_or_path",
+    "name_or_path",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "architectures",
+    "auto_map",
+    "num_labels",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "tie_encoder_decoder",
+    "is_decoder",
+    "is_encoder_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "chunk_size_feed_forward",
+    "finetuning_task",
+    "prefix",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "tokenizer_class",
+    "task_specific_params",
+    "bad_words_ids",
+    "begin_suppress_tokens",
+    "suppress_tokens",
+    "diversity_penalty",
+    "do_sample",
+    "early_stopping",
+    "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "length_penalty",
+    "max_length",
+    "min_length",
+    "no_repeat_ngram_size",
+    "num_beam_groups",
+    "num_beams",
+    "num_return_sequences",
+    "output_scores",
+    "remove_invalid_values",
+    "repetition_penalty",
+    "return_dict_in_generate",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "attn_implementation",
+    "experts_implementation",
+    "_attn_implementation_autoset",
+    "_commit_hash",
+    "rope_theta",
+    "rope_scaling",
+    "rope_parameters",
+    "quantization_config",
+    "use_grouped_topk",
+    "ignore_index",
+    "pretraining_tp",  # Llama-era field transformers' kimi_linear still writes (1: no effect)
+}
+
+
+def _check_moonshot_fields(kwargs: dict) -> None:
+    """Pops the Moonshot fields this model understands; ValueError naming any other architecture field."""
+    for name, allowed in _MOONSHOT_FIXED.items():
+        if name in kwargs and (value := kwargs.pop(name)) not in allowed:
+            raise ValueError(f"{name} = {value!r} is not supported (this model implements {list(allowed)})")
+    if kwargs.get("use_grouped_topk") is False and kwargs.get("n_group", kwargs.get("num_expert_group", 1)) > 1:
+        raise ValueError("use_grouped_topk = False with num_expert_group > 1 is not supported")
+    if kwargs.get("rope_scaling"):
+        raise ValueError(f"rope_scaling = {kwargs['rope_scaling']!r}: this model's MLA uses no positional encoding")
+    unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
+    if unknown:
+        raise ValueError(f"config fields this model does not implement: {unknown}")
+
+
 def _ids(value) -> list:
     """A token-id field's ids (eos_token_id may be a list)."""
     return value if isinstance(value, list) else [value]
@@ -132,7 +239,28 @@ class KimiHybridTextConfig(PreTrainedConfig):
             input is softmax attention over the embedding, the completed blocks and the current partial
             sum) or "full" (every sublayer its own block).
         attn_residual_block_size: sublayers per block (attention and MLP count separately); default:
-            about 8 blocks. Must be 1 or None with "full".
+            about 8 blocks. Must be 1 or None with "full". Kimi K3's `attn_res_block_size` counts decoder layers:
+            S layers = 2 S sublayers here (the same blocks: K3 writes a block before the attention of layers
+            l % S == 0, which is sublayer 2 l % 2 S == 0).
+        attn_residual_query_init: "zero" (a uniform average at init, arXiv 2603.15031) or "normal" (K3:
+            normal(0, initializer_range), as its `*_res_proj` weights are trained from).
+
+    Kimi K3 options (off by default, the Kimi Linear model):
+        hidden_act "situ" with activation_situ_beta / activation_situ_linear_beta: SiTU-GLU in every FFN,
+            beta tanh(a / beta) sigmoid(a) * linear_beta tanh(up / linear_beta), fp32.
+        kda_full_rank_output_gate: the KDA output gate is one full-rank g_proj [H K, hidden] (K3) instead of
+            Kimi Linear's low-rank g_a_proj / g_b_proj.
+        kda_gate_lower_bound: the KDA "safe gate" g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) (K3: -5.0)
+            instead of -exp(A_log) * softplus(f + dt_bias).
+        mla_use_output_gate: MLA output multiplied per channel by sigmoid(g_proj(x)) before o_proj (K3).
+        mla_latent_norm_eps: eps of MLA's q_a_layernorm / kv_a_layernorm (1e-6 in Kimi Linear's and K3's code,
+            which build them without an eps argument).
+        routed_expert_hidden_size: Stable LatentMoE (K3): routed experts run in this latent width, between
+            routed_expert_down_proj and routed_expert_up_proj; the router and the shared experts see the full
+            hidden. latent_moe_use_norm: an RMSNorm (routed_expert_norm) of the weighted expert sum.
+    Moonshot's config.json spells some of these differently (linear_attn_config.use_full_rank_gate /
+    gate_lower_bound, attn_res_block_size in layers); both spellings are read. Fields of an architecture this
+    class does not implement (MTP layers, another router activation, ...) raise a ValueError naming them.
     """
 
     model_type = "kimi_hybrid_text"
@@ -190,6 +318,15 @@ class KimiHybridTextConfig(PreTrainedConfig):
     attention_dropout: float | int = 0.0
     attn_residual: str = "none"
     attn_residual_block_size: int | None = None
+    attn_residual_query_init: str = "zero"
+    activation_situ_beta: float | None = None
+    activation_situ_linear_beta: float | None = None
+    kda_full_rank_output_gate: bool = False
+    kda_gate_lower_bound: float | None = None
+    mla_use_output_gate: bool = False
+    mla_latent_norm_eps: float = 1e-6
+    routed_expert_hidden_size: int | None = None
+    latent_moe_use_norm: bool = False
 
     def __post_init__(self, **kwargs):
         for alias, field in self.attribute_map.items():  # other spellings, applied before validation
@@ -200,6 +337,16 @@ class KimiHybridTextConfig(PreTrainedConfig):
         self.linear_num_heads = lac.get("num_heads", self.linear_num_heads)
         self.linear_head_dim = lac.get("head_dim", self.linear_head_dim)
         self.linear_conv_kernel_dim = lac.get("short_conv_kernel_size", self.linear_conv_kernel_dim)
+        self.kda_full_rank_output_gate = lac.get("use_full_rank_gate", self.kda_full_rank_output_gate)
+        self.kda_gate_lower_bound = lac.get("gate_lower_bound", self.kda_gate_lower_bound)
+        unknown = sorted(set(lac) - _LINEAR_ATTN_CONFIG_KEYS)
+        if unknown:
+            raise ValueError(f"linear_attn_config has fields this model does not implement: {unknown}")
+        if (k3_block := kwargs.pop("attn_res_block_size", None)) is not None:  # K3 counts decoder layers
+            if isinstance(k3_block, bool) or not isinstance(k3_block, int) or k3_block < 1:
+                raise ValueError(f"attn_res_block_size must be a positive number of layers, got {k3_block!r}")
+            self.attn_residual, self.attn_residual_block_size = "block", 2 * k3_block
+            self.attn_residual_query_init = "normal"
         if self.layer_types is None:
             if "kda_layers" in lac or "full_attn_layers" in lac:
                 types = [None] * self.num_hidden_layers
@@ -217,14 +364,16 @@ class KimiHybridTextConfig(PreTrainedConfig):
                 self.layer_types = types
             else:
                 self.layer_types = kimi_linear_layer_types(self.num_hidden_layers)
+        k_dense = kwargs.pop("first_k_dense_replace", 1)
         if self.mlp_layer_types is None:
-            k_dense = kwargs.pop("first_k_dense_replace", 1)
             self.mlp_layer_types = ["dense" if i < k_dense else "sparse" for i in range(self.num_hidden_layers)]
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
         kwargs.pop("head_dim", None)  # written by transformers' kimi_linear; derived here
         kwargs.pop("qk_head_dim", None)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        kwargs.pop("model_type", None)  # a Moonshot folder says "kimi_linear": the instance keeps the class's
+        _check_moonshot_fields(kwargs)
         self._validate()  # before the base class: a plain ValueError naming the field
         super().__post_init__(**kwargs)
 
@@ -248,6 +397,13 @@ class KimiHybridTextConfig(PreTrainedConfig):
             absent |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
         if not self.n_shared_experts:
             absent.add("shared_experts")
+        kda = "linear_attention" in self.layer_types
+        if not (kda and self.kda_full_rank_output_gate) and not (
+            "full_attention" in self.layer_types and self.mla_use_output_gate
+        ):
+            absent.add("g_proj")
+        if kda and self.kda_full_rank_output_gate:
+            absent.add("g_b_proj")
         return {k: v for k, v in TP_PLAN.items() if not any(f".{name}." in f".{k}." for name in absent)}
 
     @property
@@ -326,6 +482,27 @@ class KimiHybridTextConfig(PreTrainedConfig):
         bs = self.attn_residual_block_size
         if bs is not None and (isinstance(bs, bool) or not isinstance(bs, int) or bs < 1):
             raise ValueError(f"attn_residual_block_size must be None or a positive integer, got {bs!r}")
+        if self.attn_residual_query_init not in ("zero", "normal"):
+            raise ValueError(
+                f"attn_residual_query_init must be 'zero' or 'normal', got {self.attn_residual_query_init!r}"
+            )
+        if self.hidden_act == "situ":
+            for name in ("activation_situ_beta", "activation_situ_linear_beta"):
+                value = getattr(self, name)
+                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0):
+                    raise ValueError(f"{name} must be None or a non-negative number, got {value!r}")
+        elif self.hidden_act not in _ACTIVATIONS:
+            raise ValueError(f"hidden_act must be 'situ' or one of transformers' activations, got {self.hidden_act!r}")
+        lb = self.kda_gate_lower_bound
+        if lb is not None and (isinstance(lb, bool) or not isinstance(lb, (int, float)) or not lb < 0):
+            raise ValueError(f"kda_gate_lower_bound (linear_attn_config.gate_lower_bound) must be < 0, got {lb!r}")
+        if self.mla_latent_norm_eps <= 0:
+            raise ValueError(f"mla_latent_norm_eps must be > 0, got {self.mla_latent_norm_eps}")
+        latent = self.routed_expert_hidden_size
+        if latent is not None and (isinstance(latent, bool) or not isinstance(latent, int) or latent < 1):
+            raise ValueError(f"routed_expert_hidden_size must be None or a positive integer, got {latent!r}")
+        if self.latent_moe_use_norm and latent is None:
+            raise ValueError("latent_moe_use_norm needs routed_expert_hidden_size (the latent width it normalises)")
         if self.attn_residual == "full" and bs not in (None, 1):
             raise ValueError(
                 f"attn_residual='full' means one sublayer per block: attn_residual_block_size must be "

@@ -101,8 +101,11 @@ class KimiHybridRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-class KimiHybridGatedRMSNorm(nn.Module):
-    """KDA's output norm: RMSNorm over head_dim (one weight shared by all heads) times sigmoid(gate), fp32."""
+class KimiHybridGatedRMSNorm(KeepFP32Mixin, nn.Module):
+    """KDA's output norm: RMSNorm over head_dim (one weight shared by all heads) times sigmoid(gate), fp32
+    (the weight too: Kimi K3's checkpoint stores o_norm in F32)."""
+
+    _fp32_tensors = ("weight",)
 
     def __init__(self, head_dim: int, eps: float = 1e-5):
         super().__init__()
@@ -114,6 +117,33 @@ class KimiHybridGatedRMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return (self.weight.float() * x * torch.sigmoid(gate.float())).to(dtype)
+
+
+def situ_glu(gate: torch.Tensor, up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+    """Kimi K3's SiTU-GLU, in fp32, cast back to the input dtype:
+    SiTU(a) = beta tanh(a / beta) sigmoid(a) (beta None or 0 means 1, as K3's `beta or 1.0`), times
+    linear_beta tanh(up / linear_beta) (up unchanged when linear_beta is None). gate, up [..., I]."""
+    beta = beta or 1.0
+    a, u = gate.float(), up.float()
+    if linear_beta is not None:
+        u = linear_beta * torch.tanh(u / linear_beta)
+    return (beta * torch.tanh(a / beta) * torch.sigmoid(a) * u).to(gate.dtype)
+
+
+class KimiHybridGLU(nn.Module):
+    """The gated activation of every FFN (dense MLP, shared and routed experts): act(gate) * up, or SiTU-GLU
+    (`situ_glu`) with hidden_act "situ" (Kimi K3). gate, up [..., I] -> [..., I]."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__()
+        self.situ = config.hidden_act == "situ"
+        self.beta, self.linear_beta = config.activation_situ_beta, config.activation_situ_linear_beta
+        self.act_fn = None if self.situ else ACT2FN[config.hidden_act]
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.situ:
+            return situ_glu(gate, up, self.beta, self.linear_beta)
+        return self.act_fn(gate) * up
 
 
 @dataclass
@@ -186,6 +216,8 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
     q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
     g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
     o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
+    Kimi K3's options: the safe gate g = lower_bound * sigmoid(exp(A_log) * (W_fb W_fa x + dt_bias))
+    (kda_gate_lower_bound) and a full-rank output gate sigmoid(W_g x) (kda_full_rank_output_gate).
     """
 
     qk_clip_exempt = True  # q and k are L2-normalised: logits are bounded by the scale, no QK-Clip
@@ -206,8 +238,13 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.dt_bias = nn.Parameter(torch.empty(dim))
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
-        self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
-        self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        if config.kda_full_rank_output_gate:  # Kimi K3: one full-rank output gate
+            self.g_proj = nn.Linear(hidden, dim, bias=False)
+        else:  # Kimi Linear: low rank through head_dim
+            self.g_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
+            self.g_b_proj = nn.Linear(self.head_dim, dim, bias=False)
+        self.full_rank_gate = config.kda_full_rank_output_gate
+        self.lower_bound = config.kda_gate_lower_bound  # Kimi K3's safe gate when set
         self.o_norm = KimiHybridGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dim, hidden, bias=False)
 
@@ -248,6 +285,8 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             dt_bias=self.dt_bias,
             use_beta_sigmoid_in_kernel=True,
         )
+        if self.lower_bound is not None:  # g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), in the op
+            fused.update(safe_gate=True, lower_bound=self.lower_bound)
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
         cache_state = past_key_values is not None
         if packed is not None:  # documents as variable-length sequences of one flattened row
@@ -260,8 +299,8 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             o, S = chunk_kda(q, k, v, f, beta, initial_state=state, output_final_state=cache_state, **fused)
         if cache_state:
             past_key_values.update_recurrent_state(S, self.layer_idx)
-        gate = self.g_b_proj(self.g_a_proj(hidden_states)).view(shape)
-        return self.o_proj(self.o_norm(o, gate).reshape(B, T, -1))
+        gate = self.g_proj(hidden_states) if self.full_rank_gate else self.g_b_proj(self.g_a_proj(hidden_states))
+        return self.o_proj(self.o_norm(o, gate.view(shape)).reshape(B, T, -1))
 
 
 def eager_attention_forward(
@@ -312,16 +351,20 @@ class KimiHybridMLA(nn.Module):
             self.q_proj = nn.Linear(hidden, self.num_heads * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden, self.q_lora_rank, bias=config.attention_bias)
-            self.q_a_layernorm = KimiHybridRMSNorm(self.q_lora_rank, eps=config.rms_norm_eps)
+            self.q_a_layernorm = KimiHybridRMSNorm(self.q_lora_rank, eps=config.mla_latent_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, self.num_heads * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
-        self.kv_a_layernorm = KimiHybridRMSNorm(self.kv_lora_rank, eps=config.rms_norm_eps)
+        self.kv_a_layernorm = KimiHybridRMSNorm(self.kv_lora_rank, eps=config.mla_latent_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
         )
         self.o_proj = nn.Linear(self.num_heads * self.v_head_dim, hidden, bias=config.attention_bias)
+        # Kimi K3: the attention output times sigmoid(g_proj(x)), per channel of the H * v_head_dim output
+        self.g_proj = (
+            nn.Linear(hidden, self.num_heads * self.v_head_dim, bias=False) if config.mla_use_output_gate else None
+        )
         self.scaling = self.qk_head_dim**-0.5
 
     @torch.no_grad()
@@ -415,7 +458,7 @@ class KimiHybridMLA(nn.Module):
             ):
                 filled = past_key_values.layers[self.layer_idx].get_seq_length()
                 out = self.absorbed_attention(query, latent, k_rope, attention_mask, filled)
-                return self.o_proj(out.reshape(B, T, -1)), None
+                return self.o_proj(self.output_gate(out.reshape(B, T, -1), hidden_states)), None
         key, value = self.expand_latent(latent, k_rope)
         impl = self.config._attn_implementation
         # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
@@ -431,11 +474,15 @@ class KimiHybridMLA(nn.Module):
         )
         if pad > 0:
             out = out[..., : self.v_head_dim]
-        return self.o_proj(out.reshape(B, T, -1)), weights
+        return self.o_proj(self.output_gate(out.reshape(B, T, -1), hidden_states)), weights
+
+    def output_gate(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out [B, T, H v] times sigmoid(g_proj(x)) per channel (mla_use_output_gate), else out."""
+        return out if self.g_proj is None else out * torch.sigmoid(self.g_proj(x))
 
 
 class KimiHybridMLP(nn.Module):
-    """SwiGLU: down(act(gate(x)) * up(x))."""
+    """Gated FFN: down(GLU(gate(x), up(x))), SwiGLU or SiTU-GLU (`KimiHybridGLU`)."""
 
     def __init__(self, config: KimiHybridTextConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -443,10 +490,10 @@ class KimiHybridMLP(nn.Module):
         self.gate_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.up_proj = nn.Linear(config.hidden_size, inter, bias=False)
         self.down_proj = nn.Linear(inter, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.glu = KimiHybridGLU(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.glu(self.gate_proj(x), self.up_proj(x)))
 
 
 class KimiHybridRouter(KeepFP32Mixin, nn.Module):
@@ -500,11 +547,21 @@ class KimiHybridExperts(nn.Module):
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
-        E, H, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+        # Stable LatentMoE (Kimi K3): the experts' input and output width is the latent routed_expert_hidden_size
+        E, H, inter = (
+            config.num_experts,
+            config.routed_expert_hidden_size or config.hidden_size,
+            config.moe_intermediate_size,
+        )
         self.num_experts = E
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
         self.down_proj = nn.Parameter(torch.empty(E, H, inter))
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.glu = KimiHybridGLU(config)
+
+    def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[S, 2I] (gate rows first) -> [S, I]: the activation transformers' experts implementations call."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.glu(gate, up)
 
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> [N, hidden]. Under expert parallelism, num_experts is this
@@ -522,8 +579,7 @@ class KimiHybridExperts(nn.Module):
             if e >= self.num_experts:  # EP sentinels, sorted last
                 outs.append(torch.zeros_like(seg))
             elif counts[e]:
-                gate, up = F.linear(seg, self.gate_up_proj[e]).chunk(2, dim=-1)
-                outs.append(F.linear(self.act_fn(gate) * up, self.down_proj[e]))
+                outs.append(F.linear(self._apply_gate(F.linear(seg, self.gate_up_proj[e])), self.down_proj[e]))
         if not outs:
             return torch.zeros_like(x)
         y = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
@@ -536,18 +592,30 @@ class KimiHybridExperts(nn.Module):
         routing = routing.scatter_add(1, indices, weights)[:, : self.num_experts].to(x.dtype)
         y = torch.zeros_like(x)
         for e in range(self.num_experts):
-            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = y + routing[:, e, None] * F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            y = y + routing[:, e, None] * F.linear(
+                self._apply_gate(F.linear(x, self.gate_up_proj[e])), self.down_proj[e]
+            )
         return y
 
 
 class KimiHybridMoE(nn.Module):
-    """Routed experts plus always-on shared experts."""
+    """Routed experts plus always-on shared experts. With routed_expert_hidden_size (Kimi K3's Stable LatentMoE)
+    the router still reads the full hidden x, the routed experts run on z = routed_expert_down_proj(x) and their
+    weighted sum r returns through routed_expert_up_proj(RMSNorm(r)) (the norm with latent_moe_use_norm); the
+    shared experts run on the full x."""
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
         self.gate = KimiHybridRouter(config)
         self.experts = KimiHybridExperts(config)
+        latent = config.routed_expert_hidden_size
+        if latent is not None:
+            self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
+            self.routed_expert_up_proj = nn.Linear(latent, config.hidden_size, bias=False)
+            self.routed_expert_norm = (
+                KimiHybridRMSNorm(latent, eps=config.rms_norm_eps) if config.latent_moe_use_norm else None
+            )
+        self.latent = latent is not None
         self.shared_experts = (
             KimiHybridMLP(config, config.moe_intermediate_size * config.n_shared_experts)
             if config.n_shared_experts
@@ -557,7 +625,13 @@ class KimiHybridMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])
         _, weights, indices = self.gate(flat)
-        y = self.experts(flat, indices, weights).view_as(x)
+        if self.latent:
+            y = self.experts(self.routed_expert_down_proj(flat), indices, weights)
+            if self.routed_expert_norm is not None:
+                y = self.routed_expert_norm(y)
+            y = self.routed_expert_up_proj(y).view_as(x)
+        else:
+            y = self.experts(flat, indices, weights).view_as(x)
         return y + self.shared_experts(x) if self.shared_experts is not None else y
 
 
@@ -708,6 +782,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         "v_conv1d",
         "e_score_correction_bias",
         "gate.weight",
+        "o_norm",
     ]
     _can_record_outputs = {
         "router_logits": OutputRecorder(KimiHybridRouter, index=0),
@@ -740,8 +815,11 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
             init.zeros_(module.e_score_correction_bias)
         elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm, KimiHybridDepthKeyNorm)):
             init.ones_(module.weight)
-        elif isinstance(module, KimiHybridDepthAttention):  # uniform depth weights at the start
-            init.zeros_(module.query)
+        elif isinstance(module, KimiHybridDepthAttention):
+            if self.config.get_text_config().attn_residual_query_init == "normal":  # K3 trains its *_res_proj so
+                init.normal_(module.query, mean=0.0, std=std)
+            else:  # uniform depth weights at the start
+                init.zeros_(module.query)
 
 
 class KimiHybridTextModel(KimiHybridPreTrainedModel):

@@ -1,21 +1,188 @@
-"""Configuration of the MoonViT-style vision tower (Kimi K2.5's field names and defaults)."""
+"""Configuration of the MoonViT vision tower (Kimi-VL, arXiv 2504.07491) and of its projector into the text
+stream: Kimi K2.5's tower by default (transformers' kimi_k25 field names and defaults); Kimi K3's tower as options
+of the same class. `KimiK3VisionConfig` reads and writes Kimi K3's released `vision_config` spelling."""
+
+import dataclasses
+import re
 
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import PreTrainedConfig
 
 
+NORM_TYPES = ("layernorm", "rmsnorm")
+INTERPOLATION_MODES = ("bicubic", "bilinear")
+# "axial": transformers' kimi_k25 layout (separate q/k/v projections, q/k rows in rotate-half order).
+# "interleaved_2d": Moonshot's own MoonViT layout (the K2.5 and K3 releases): one fused qkv projection, q/k rows
+# in complex-pair order. Both rotate the same angles; the q/k rows of one are a per-head permutation of the other's.
+ROPE_TYPES = ("axial", "interleaved_2d")
+PROJECTOR_TYPES = ("patchmerger", "patchmergerv2")
+
+# Kimi K3's released vision_config spelling -> the field of KimiHybridVisionConfig holding it.
+K3_RENAMED_FIELDS = {
+    "init_pos_emb_height": "pos_emb_height",
+    "init_pos_emb_width": "pos_emb_width",
+    "init_pos_emb_time": "pos_emb_time",
+    "vt_hidden_size": "hidden_size",
+    "vt_num_hidden_layers": "num_hidden_layers",
+    "vt_num_attention_heads": "num_attention_heads",
+    "vt_intermediate_size": "intermediate_size",
+    "attn_bias": "attention_bias",
+    "linear_bias": "mlp_bias",
+    "patch_embed_proj_bias": "patch_embed_bias",
+    "activation_func": "hidden_act",
+    "mm_projector_type": "projector_type",
+    "projector_ln_eps": "projector_layer_norm_eps",
+}
+# Released fields that name a variant of the architecture: the one value this tower implements.
+K3_FIXED_FIELDS = {
+    "pos_emb_type": ("divided_fixed",),  # learned [H, W, C] table + fixed sin/cos per frame
+    "mlp_type": ("mlp2",),  # fc0 -> act -> fc1
+    "merge_type": ("sd2_tpool",),  # 2 x 2 spatial groups, mean over frames
+    "projector_hidden_act": ("gelu",),  # the official projector hard-codes nn.GELU() (exact erf)
+    "video_attn_type": ("spatial_temporal",),  # K2.5's key (dropped by K3): a video attends over all its frames
+}
+# The released field order (Kimi K3's config.json), which to_dict() follows.
+K3_RELEASED_ORDER = (
+    "patch_size",
+    "init_pos_emb_height",
+    "init_pos_emb_width",
+    "init_pos_emb_time",
+    "pos_emb_type",
+    "pos_emb_interpolation_mode",
+    "vt_hidden_size",
+    "vt_num_hidden_layers",
+    "vt_num_attention_heads",
+    "qkv_hidden_size",
+    "vt_intermediate_size",
+    "norm_type",
+    "attn_bias",
+    "linear_bias",
+    "patch_embed_proj_bias",
+    "mlp_type",
+    "activation_func",
+    "merge_kernel_size",
+    "merge_type",
+    "mm_projector_type",
+    "mm_hidden_size",
+    "projector_hidden_act",
+    "projector_ln_eps",
+    "text_hidden_size",
+)
+# Keys only Moonshot's spelling has: a KimiHybridVisionConfig given them would silently build K2.5's tower.
+_MOONSHOT_ONLY = (set(K3_RENAMED_FIELDS) | set(K3_FIXED_FIELDS) | {"mm_hidden_size", "text_hidden_size"}) - {
+    "video_attn_type"
+}
+# Generic keys transformers (or its older versions) writes into every config: not architecture.
+_GENERIC_FIELDS = {
+    "model_type",
+    "name_or_path",
+    "torch_dtype",
+    "dtype",
+    "transformers_version",
+    "architectures",
+    "auto_map",
+    "num_labels",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "return_dict",
+    "output_hidden_states",
+    "output_attentions",
+    "attn_implementation",
+    "experts_implementation",
+    "torchscript",
+    "use_bfloat16",
+    "tf_legacy_loss",
+    "pruned_heads",
+    "tie_word_embeddings",
+    "tie_encoder_decoder",
+    "is_decoder",
+    "is_encoder_decoder",
+    "add_cross_attention",
+    "cross_attention_hidden_size",
+    "chunk_size_feed_forward",
+    "finetuning_task",
+    "prefix",
+    "bos_token_id",
+    "eos_token_id",
+    "pad_token_id",
+    "sep_token_id",
+    "decoder_start_token_id",
+    "tokenizer_class",
+    "task_specific_params",
+    "bad_words_ids",
+    "begin_suppress_tokens",
+    "suppress_tokens",
+    "diversity_penalty",
+    "do_sample",
+    "early_stopping",
+    "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "length_penalty",
+    "max_length",
+    "min_length",
+    "no_repeat_ngram_size",
+    "num_beam_groups",
+    "num_beams",
+    "num_return_sequences",
+    "output_scores",
+    "remove_invalid_values",
+    "repetition_penalty",
+    "return_dict_in_generate",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+    "per_layer_config",
+}
+
+
+def _positive(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
 @strict
 class KimiHybridVisionConfig(PreTrainedConfig):
     r"""
-    MoonViT-style vision tower (Kimi K2.5's field names and defaults): patch_size x patch_size patches
-    at native resolution, a learned pos_emb_height x pos_emb_width position table resampled
-    bicubically to each image, a sinusoid per frame for video (pos_emb_time), axial 2D RoPE over the
-    whole head (rope_parameters: rope_type "axial", rope_theta), pre-LN blocks, then
-    merge_kernel_size patches merged into one token.
+    MoonViT vision tower (Kimi-VL, arXiv 2504.07491) and its projector. Defaults: Kimi K2.5's tower, in
+    transformers' kimi_k25 field names. patch_size x patch_size patches at native resolution; a learned
+    pos_emb_height x pos_emb_width position table resampled to each image; a sinusoid per frame for video
+    (pos_emb_time); 2D RoPE; pre-norm blocks; merge_kernel_size patches merged into one token, then projected.
+
+    Options (defaults = K2.5; Kimi K3's value in brackets, see `KimiK3VisionConfig`):
+        norm_type (`str`): "layernorm" (nn.LayerNorm with bias, eps `layer_norm_eps`) or "rmsnorm" (nn.RMSNorm,
+            eps `rms_norm_eps`) for norm1, norm2 and final_layernorm. ["rmsnorm"]
+        rms_norm_eps (`float | None`): None = PyTorch's nn.RMSNorm(dim) default, torch.finfo(input dtype).eps
+            at run time (2^-7 in bf16, ~1.19e-7 in fp32): K3 builds its vision norms without an eps. [None]
+        attention_bias, mlp_bias, patch_embed_bias (`bool`): biases of the qkv/output projections, of fc1/fc2,
+            of the patch-embedding conv. [False, False, False]
+        qkv_hidden_size (`int | None`): width of q, k and v (heads x head_dim); None = hidden_size. head_dim =
+            qkv_hidden_size / num_attention_heads; the output projection maps it back to hidden_size. [1536]
+        pos_emb_interpolation_mode (`str`): "bicubic" or "bilinear" (align_corners=False) resampling of the
+            position table to an image's h x w. ["bilinear"]
+        rope_parameters (`dict`): {"rope_type", "rope_theta"}; the angles are the same for both types: head_dim / 4
+            frequencies theta^(-4 i / head_dim), slot 2 i rotated by column (width) index x freq_i, slot 2 i + 1
+            by row index x freq_i. rope_type selects the layout:
+            "axial" (transformers' kimi_k25): q_proj / k_proj / v_proj, the head rotated in rotate-half order.
+            "interleaved_2d" (Moonshot's MoonViT, the K2.5 and K3 releases): one fused qkv_proj
+                [3 x qkv_hidden_size, hidden] (rows: q, k, v, each (heads, head_dim)), and adjacent real pairs
+                (2 j, 2 j + 1) of q / k rotated as complex numbers by slot j's angle (view_as_complex).
+            ["interleaved_2d", theta 10000]
+        projector_type (`str`): "patchmerger" (K2.5: LayerNorm per patch, Linear + bias, GELU, Linear + bias) or
+            "patchmergerv2" (K3: Linear(4 C, 4 C) proj.0, exact GELU, Linear(4 C, text hidden) proj.2, no biases,
+            then post_norm = RMSNorm(text hidden)). ["patchmergerv2"]
+        projector_layer_norm_eps (`float | None`): eps of the projector's norm; None = the layer_norm_eps the
+            multimodal model passes to `build_multimodal_projector` (its projection_layer_norm_eps). [1e-5]
+
+    A `_attn_implementation` key (Kimi K3's release says "flash_attention_2") is ignored: the attention
+    implementation is a run-time choice (`attn_implementation=` at load; eager / SDPA by default, so CPU works).
     """
 
     model_type = "kimi_hybrid_vision"
     base_config_key = "vision_config"
+    default_rope_type = "axial"
 
     patch_size: int = 14
     hidden_size: int = 1152
@@ -30,16 +197,50 @@ class KimiHybridVisionConfig(PreTrainedConfig):
     rope_parameters: dict | None = None
     layer_norm_eps: float = 1e-5
     initializer_range: float = 0.02
+    norm_type: str = "layernorm"
+    rms_norm_eps: float | None = None
+    attention_bias: bool = True
+    mlp_bias: bool = True
+    patch_embed_bias: bool = True
+    qkv_hidden_size: int | None = None
+    pos_emb_interpolation_mode: str = "bicubic"
+    projector_type: str = "patchmerger"
+    projector_layer_norm_eps: float | None = None
+
+    def __new__(cls, *args, **kwargs):
+        # A saved Kimi K3 tower's config (model_type "kimi_k3_vision", K3's spelling) read through this class, as
+        # KimiHybridVisionModel.from_pretrained and a composite config's vision_config spec do, builds the K3
+        # config. Only the model_type decides: a dict without one in Moonshot's spelling raises (see __post_init__).
+        if cls is KimiHybridVisionConfig and kwargs.get("model_type") == KimiK3VisionConfig.model_type:
+            cls = KimiK3VisionConfig
+        return super().__new__(cls)
 
     def __post_init__(self, **kwargs):
+        # Kimi K3's released vision_config carries "_attn_implementation": "flash_attention_2"; honouring it would
+        # force flash attention (no CPU run), so it is dropped: the implementation is chosen at load time.
+        kwargs.pop("_attn_implementation", None)
+        moonshot = sorted(set(kwargs) & _MOONSHOT_ONLY)
+        if moonshot:
+            raise ValueError(
+                f"vision_config fields {moonshot} are Moonshot's spelling (Kimi K3's released vision_config): "
+                "read such a dict with KimiK3VisionConfig"
+            )
         self.merge_kernel_size = list(self.merge_kernel_size)
         if self.rope_parameters is None:
-            self.rope_parameters = {"rope_type": "axial", "rope_theta": 10000.0}
+            self.rope_parameters = {"rope_type": self.default_rope_type, "rope_theta": 10000.0}
         self._validate()
         super().__post_init__(**kwargs)
 
     def validate_architecture(self):
         self._validate()
+
+    def _validate_interleaved_2d_rope_parameters(self, rope_parameters: dict, ignore_keys: set | None = None):
+        """transformers' RoPE validation hook for rope_type "interleaved_2d" (keys as for the default RoPE)."""
+        self._validate_default_rope_parameters(rope_parameters, ignore_keys=ignore_keys)
+
+    def qkv_size(self) -> int:
+        """Width of q, k and v: qkv_hidden_size, or hidden_size when it is None."""
+        return self.qkv_hidden_size if self.qkv_hidden_size is not None else self.hidden_size
 
     def _validate(self):
         for name in (
@@ -53,20 +254,154 @@ class KimiHybridVisionConfig(PreTrainedConfig):
             "pos_emb_time",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
-        if self.hidden_size % self.num_attention_heads or (self.hidden_size // self.num_attention_heads) % 4:
+        q = self.qkv_hidden_size
+        if q is not None and (not isinstance(q, int) or isinstance(q, bool) or q < 1):
+            raise ValueError(f"qkv_hidden_size must be None or a positive integer, got {q!r}")
+        width = "hidden_size" if q is None else "qkv_hidden_size"
+        heads = self.num_attention_heads
+        if self.qkv_size() % heads or (self.qkv_size() // heads) % 4:
             raise ValueError(
-                f"hidden_size ({self.hidden_size}) / num_attention_heads ({self.num_attention_heads}) must be "
-                "an integer head size divisible by 4 (axial 2D RoPE)"
+                f"{width} ({self.qkv_size()}) / num_attention_heads ({heads}) must be an integer head size "
+                "divisible by 4 (2D RoPE: head_dim / 4 frequencies per axis)"
             )
         mk = self.merge_kernel_size
         if len(mk) != 2 or any(not isinstance(m, int) or m < 1 for m in mk):
             raise ValueError(f"merge_kernel_size must be two positive integers, got {mk!r}")
-        if self.rope_parameters.get("rope_type", "axial") != "axial":
+        for name, allowed in (
+            ("norm_type", NORM_TYPES),
+            ("pos_emb_interpolation_mode", INTERPOLATION_MODES),
+            ("projector_type", PROJECTOR_TYPES),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
+        if not _positive(self.layer_norm_eps):
+            raise ValueError(f"layer_norm_eps must be a positive number, got {self.layer_norm_eps!r}")
+        for name in ("rms_norm_eps", "projector_layer_norm_eps"):
+            if getattr(self, name) is not None and not _positive(getattr(self, name)):
+                raise ValueError(f"{name} must be None or a positive number, got {getattr(self, name)!r}")
+        rope_type = self.rope_parameters.get("rope_type", self.default_rope_type)
+        if rope_type not in ROPE_TYPES:
+            raise ValueError(f"rope_parameters.rope_type must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
+        theta = self.rope_parameters.get("rope_theta", 10000.0)
+        if not _positive(theta):
+            raise ValueError(f"rope_parameters.rope_theta must be a positive number, got {theta!r}")
+
+
+@strict
+class KimiK3VisionConfig(KimiHybridVisionConfig):
+    r"""
+    Kimi K3's vision tower (MoonViT3d: the K2.5 code with K3's config switches) and patchmergerv2 projector, read
+    from the RELEASED `vision_config` spelling and written back in it (`to_dict`). Defaults: the released values.
+
+    Released field -> this config (KimiHybridVisionConfig's field):
+        patch_size, qkv_hidden_size, norm_type, pos_emb_interpolation_mode, merge_kernel_size: the same name;
+        init_pos_emb_height / _width / _time -> pos_emb_height / _width / _time;
+        vt_hidden_size, vt_num_hidden_layers, vt_num_attention_heads, vt_intermediate_size -> hidden_size,
+            num_hidden_layers, num_attention_heads, intermediate_size (these names are accepted too);
+        attn_bias -> attention_bias, linear_bias -> mlp_bias, patch_embed_proj_bias -> patch_embed_bias;
+        activation_func -> hidden_act (must be "gelu_pytorch_tanh": the official code hard-codes tanh GELU);
+        mm_projector_type -> projector_type; projector_ln_eps -> projector_layer_norm_eps;
+        mm_hidden_size: must be None or vt_hidden_size (the projector reads the tower's output);
+        text_hidden_size: the projector's output width (kept as is; the multimodal model checks it);
+        pos_emb_type "divided_fixed", mlp_type "mlp2", merge_type "sd2_tpool", projector_hidden_act "gelu" (and
+            K2.5's video_attn_type "spatial_temporal"): the only values implemented, anything else raises;
+        _attn_implementation: ignored (see KimiHybridVisionConfig).
+    rope_parameters is fixed to {"rope_type": "interleaved_2d", "rope_theta": 10000.0} (K3's layout) and not
+    written. A field this tower does not implement raises a ValueError naming it. Moonshot's Kimi K2.5
+    vision_config (same spelling, without the norm / bias / qkv keys) is not read by this class: missing keys
+    take K3's values.
+    """
+
+    model_type = "kimi_k3_vision"
+    default_rope_type = "interleaved_2d"
+
+    hidden_size: int = 1024
+    num_attention_heads: int = 12
+    intermediate_size: int = 4096
+    norm_type: str = "rmsnorm"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    patch_embed_bias: bool = False
+    qkv_hidden_size: int | None = 1536
+    pos_emb_interpolation_mode: str = "bilinear"
+    projector_type: str = "patchmergerv2"
+    projector_layer_norm_eps: float | None = 1e-5
+    text_hidden_size: int | None = 7168
+
+    def __post_init__(self, **kwargs):
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for released, ours in K3_RENAMED_FIELDS.items():
+            if released not in kwargs:
+                continue
+            value, current = kwargs.pop(released), getattr(self, ours)
+            if current != defaults[ours] and current != value:
+                raise ValueError(f"{released} = {value!r} and {ours} = {current!r}: one field, two values")
+            try:
+                setattr(self, ours, value)
+            except Exception as err:  # strict type validation names our field; name the released one
+                raise ValueError(f"{released} = {value!r}: {err}") from err
+        for name, allowed in K3_FIXED_FIELDS.items():
+            if name in kwargs and (value := kwargs.pop(name)) not in allowed:
+                raise ValueError(f"{name} = {value!r} is not supported (this tower implements {list(allowed)})")
+        mm_hidden = kwargs.pop("mm_hidden_size", None)
+        if mm_hidden is not None and mm_hidden != self.hidden_size:
             raise ValueError(
-                f"rope_parameters.rope_type must be 'axial', got {self.rope_parameters.get('rope_type')!r}"
+                f"mm_hidden_size = {mm_hidden!r} must equal vt_hidden_size ({self.hidden_size}): the projector "
+                "reads the tower's output"
             )
+        kwargs.pop("_attn_implementation", None)
+        unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
+        if unknown:
+            raise ValueError(f"vision_config fields this tower does not implement: {unknown}")
+        super().__post_init__(**kwargs)
+
+    def _validate(self):
+        try:
+            super()._validate()
+        except ValueError as err:  # name the field as the release spells it
+            message = str(err)
+            for released, ours in K3_RENAMED_FIELDS.items():
+                message = re.sub(rf"\b{ours}\b", f"{released} ({ours})", message)
+            raise ValueError(message) from None
+        if self.hidden_act != "gelu_pytorch_tanh":
+            raise ValueError(
+                f"activation_func = {self.hidden_act!r} is not supported: Kimi K3's tower hard-codes tanh GELU "
+                "('gelu_pytorch_tanh')"
+            )
+        rope = self.rope_parameters
+        if rope.get("rope_type", self.default_rope_type) != "interleaved_2d" or rope.get("rope_theta", 1e4) != 1e4:
+            raise ValueError(
+                f"rope_parameters = {rope!r}: Kimi K3's tower uses {{'rope_type': 'interleaved_2d', "
+                "'rope_theta': 10000.0}}"
+            )
+        if self.text_hidden_size is not None and (
+            not isinstance(self.text_hidden_size, int) or self.text_hidden_size < 1
+        ):
+            raise ValueError(f"text_hidden_size must be None or a positive integer, got {self.text_hidden_size!r}")
+
+    def to_dict(self) -> dict:
+        """The released spelling (K3_RELEASED_ORDER first), then the generic keys; rope_parameters (fixed) is
+        left out, and so are rms_norm_eps / layer_norm_eps / initializer_range while they have K3's defaults."""
+        out = super().to_dict()
+        for released, ours in K3_RENAMED_FIELDS.items():
+            out[released] = out.pop(ours)
+        out.update(
+            pos_emb_type="divided_fixed",
+            mlp_type="mlp2",
+            merge_type="sd2_tpool",
+            mm_hidden_size=self.hidden_size,
+            projector_hidden_act="gelu",
+        )
+        out.pop("rope_parameters", None)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("rms_norm_eps", "layer_norm_eps", "initializer_range"):
+            if out.get(name) == defaults[name]:
+                out.pop(name)
+        ordered = {k: out.pop(k) for k in K3_RELEASED_ORDER}
+        ordered.update(out)
+        return ordered
 
 
-__all__ = ["KimiHybridVisionConfig"]
+__all__ = ["KimiHybridVisionConfig", "KimiK3VisionConfig"]

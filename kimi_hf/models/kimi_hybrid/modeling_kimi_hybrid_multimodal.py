@@ -22,7 +22,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
-from .modeling_kimi_hybrid_vision import KimiHybridMultimodalProjector, KimiHybridVisionModel
+from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 
 
 class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -42,17 +42,17 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
 
 class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
+    text_model_class = KimiHybridTextModel  # Kimi K3's subclass sets its own (its checkpoint conversion differs)
+
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)
         vc = config.vision_config
         self.vision_tower = KimiHybridVisionModel._from_config(vc)
-        self.mm_projector = KimiHybridMultimodalProjector(
-            vc.hidden_size,
-            vc.merge_kernel_size[0] * vc.merge_kernel_size[1],
-            config.text_config.hidden_size,
-            config.projection_layer_norm_eps,
+        # K2.5's patchmerger or K3's patchmergerv2, after vision_config.projector_type
+        self.mm_projector = build_multimodal_projector(
+            vc, config.text_config.hidden_size, config.projection_layer_norm_eps
         )
-        self.language_model = KimiHybridTextModel._from_config(config.text_config)
+        self.language_model = self.text_model_class._from_config(config.text_config)
         self.post_init()
 
     def get_input_embeddings(self):
@@ -184,9 +184,11 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
     _tp_plan = {"lm_head": "colwise_gather_output"}  # as the text model (docs/parallelism.md)
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
+    model_class = KimiHybridModel
+
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)
-        self.model = KimiHybridModel(config)
+        self.model = self.model_class(config)
         self.lm_head = nn.Linear(config.text_config.hidden_size, config.text_config.vocab_size, bias=False)
         self.post_init()
 

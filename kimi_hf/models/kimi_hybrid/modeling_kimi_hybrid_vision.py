@@ -1,9 +1,13 @@
-"""MoonViT-style vision tower (Kimi K2.5's, same module and weight names) and the projector into the
-text stream.
+"""MoonViT vision tower (Kimi-VL, arXiv 2504.07491) and the projector into the text stream: Kimi K2.5's tower
+(transformers' kimi_k25 module and weight names) by default, Kimi K3's tower (MoonViT3d with K3's switches) and
+patchmergerv2 projector as options of the same classes (see KimiHybridVisionConfig / KimiK3VisionConfig).
 
 Images arrive as one flat sequence of patches at native resolution: pixel_values [N, 3, p, p] and
 grid_thw [num_images, 3] = (t, h, w) per image (t frames of h x w patches, raster order). Each image
-attends only to itself. Output: per merged 2 x 2 group of patches, one text-sized embedding.
+attends only to itself. Output: per merged kh x kw group of patches, one text-sized embedding.
+
+Kimi K3 checkpoints load by renames only (`k3_vision_key_mapping`): with rope_type "interleaved_2d" the attention
+holds Moonshot's fused `wqkv` as `qkv_proj`, whose q/k rows the interleaved RoPE reads in their released order.
 """
 
 import torch
@@ -18,7 +22,7 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from .configuration_kimi_hybrid import KimiHybridVisionConfig
+from .configuration_kimi_hybrid_vision import KimiHybridVisionConfig
 from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import eager_attention_forward
 
@@ -42,14 +46,24 @@ def check_grid(
     return rows
 
 
+def vision_norm(config: KimiHybridVisionConfig, dim: int) -> nn.Module:
+    """The tower's norm over `dim`: nn.LayerNorm (K2.5, with bias) or nn.RMSNorm (K3, no bias; eps None =
+    torch.finfo(input dtype).eps at run time, as K3's nn.RMSNorm(dim) without an eps argument)."""
+    if config.norm_type == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.rms_norm_eps)
+    return nn.LayerNorm(dim, eps=config.layer_norm_eps)
+
+
 class KimiHybridVisionPositionEmbedding(nn.Module):
-    """Learned [H, W, D] table, resampled bicubically (align_corners=False) to each image's h x w,
-    plus a fixed sinusoid per frame of a video (row 0: none, for single images)."""
+    """Learned [H, W, D] table, resampled (config.pos_emb_interpolation_mode: bicubic for K2.5, bilinear for K3;
+    align_corners=False, in fp32) to each image's h x w, plus a fixed sinusoid per frame of a video (row 0: none,
+    for single images). K3's `pos_emb.weight` is `position_embeddings` here."""
 
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__()
         self.dim = config.hidden_size
         self.num_frames = config.pos_emb_time
+        self.interpolation_mode = config.pos_emb_interpolation_mode
         self.position_embeddings = nn.Parameter(
             torch.zeros(config.pos_emb_height, config.pos_emb_width, config.hidden_size)
         )
@@ -71,7 +85,10 @@ class KimiHybridVisionPositionEmbedding(nn.Module):
                     resampled[h, w] = table.flatten(0, 1)
                 else:
                     grid_hw = F.interpolate(
-                        table.permute(2, 0, 1)[None].float(), size=(h, w), mode="bicubic", align_corners=False
+                        table.permute(2, 0, 1)[None].float(),
+                        size=(h, w),
+                        mode=self.interpolation_mode,
+                        align_corners=False,
                     )
                     resampled[h, w] = grid_hw[0].flatten(1).t().to(table.dtype)
             pos = resampled[h, w]
@@ -84,7 +101,13 @@ class KimiHybridVisionPositionEmbedding(nn.Module):
 class KimiHybridVisionPatchEmbed(nn.Module):
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__()
-        self.proj = nn.Conv2d(3, config.hidden_size, kernel_size=config.patch_size, stride=config.patch_size)
+        self.proj = nn.Conv2d(
+            3,
+            config.hidden_size,
+            kernel_size=config.patch_size,
+            stride=config.patch_size,
+            bias=config.patch_embed_bias,
+        )
         self.pos_emb = KimiHybridVisionPositionEmbedding(config)
 
     def forward(self, pixel_values: torch.Tensor, grid: list[tuple[int, int, int]]) -> torch.Tensor:
@@ -94,11 +117,10 @@ class KimiHybridVisionPatchEmbed(nn.Module):
         return self.pos_emb(x, grid)
 
 
-def axial_rope(
-    grid: list[tuple[int, int, int]], head_dim: int, theta: float, device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [N, head_dim] of K2.5's axial 2D RoPE: head_dim / 4 frequencies; the angle pairs
-    alternate (w, h) per frequency, and the whole head is rotated (rotate-half convention)."""
+def rope_angles(grid: list[tuple[int, int, int]], head_dim: int, theta: float, device) -> torch.Tensor:
+    """[N, head_dim / 2] fp32 angles of MoonViT's 2D RoPE, one per complex slot: head_dim / 4 frequencies
+    freq_i = theta^(-4 i / head_dim); slot 2 i = column (width) index x freq_i, slot 2 i + 1 = row index x freq_i
+    (x first, as Moonshot's code and transformers' kimi_k25 both do). Every frame of a video repeats its image's."""
     inv_freq = 1.0 / (
         theta ** (torch.arange(0, head_dim // 2, 2, dtype=torch.float32, device=device) / (head_dim // 2))
     )
@@ -107,31 +129,64 @@ def axial_rope(
         hh, ww = torch.meshgrid(torch.arange(h, device=device), torch.arange(w, device=device), indexing="ij")
         pos.append(torch.stack([hh.flatten(), ww.flatten()], -1).repeat(t, 1))
     freqs = torch.cat(pos).float()[..., None] * inv_freq  # [N, 2 (h, w), hd/4]
-    freqs = freqs.transpose(1, 2).flip(-1).flatten(1)  # [N, hd/2]: w0, h0, w1, h1, ...
+    return freqs.transpose(1, 2).flip(-1).flatten(1)  # [N, hd/2]: w0, h0, w1, h1, ...
+
+
+def axial_rope(
+    grid: list[tuple[int, int, int]], head_dim: int, theta: float, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim] of K2.5's axial 2D RoPE in rotate-half order (transformers' kimi_k25): the
+    `rope_angles` slots for both halves of the head."""
+    freqs = rope_angles(grid, head_dim, theta, device)
     freqs = torch.cat([freqs, freqs], -1)
     return freqs.cos(), freqs.sin()
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, hd] rotated in fp32 (rotate-half), returned in x's dtype."""
+def interleaved_rope(
+    grid: list[tuple[int, int, int]], head_dim: int, theta: float, device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [N, head_dim / 2] of MoonViT's 2D RoPE in Moonshot's interleaved order (the K2.5 / K3
+    releases' freqs_cis): slot j rotates the real pair (2 j, 2 j + 1)."""
+    freqs = rope_angles(grid, head_dim, theta, device)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x [N, heads, hd] rotated in fp32, returned in x's dtype. interleaved=False: rotate-half (cos, sin
+    [N, hd]); True: adjacent pairs (x[2 j], x[2 j + 1]) as one complex number times e^(i angle_j) (cos, sin
+    [N, hd / 2]), the view_as_complex product of Moonshot's apply_rope written in real arithmetic."""
     xf = x.float()
+    if interleaved:
+        even, odd = xf[..., 0::2], xf[..., 1::2]
+        c, s = cos[:, None], sin[:, None]
+        return torch.stack([even * c - odd * s, even * s + odd * c], -1).flatten(-2).to(x.dtype)
     x1, x2 = xf.chunk(2, dim=-1)
     return (xf * cos[:, None] + torch.cat([-x2, x1], -1) * sin[:, None]).to(x.dtype)
 
 
 class KimiHybridVisionAttention(nn.Module):
+    """Per-image (non-causal) multi-head attention, scale head_dim^-1/2; head_dim = qkv_size / heads.
+    rope_type "axial": q_proj / k_proj / v_proj [qkv, D] (K2.5 in transformers' names); "interleaved_2d":
+    qkv_proj [3 qkv, D], rows (3, heads, head_dim) as Moonshot's `wqkv`. proj [D, qkv] (Moonshot's `wo`)."""
+
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__()
         self.config = config
+        qkv = config.qkv_size()
         self.num_heads = config.num_attention_heads
-        self.head_dim = config.hidden_size // config.num_attention_heads
+        self.head_dim = qkv // config.num_attention_heads
         self.scaling = self.head_dim**-0.5
         self.is_causal = False
         self.num_key_value_groups = 1
-        self.q_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.k_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.v_proj = nn.Linear(config.hidden_size, config.hidden_size)
-        self.proj = nn.Linear(config.hidden_size, config.hidden_size)
+        self.interleaved = config.rope_parameters["rope_type"] == "interleaved_2d"
+        bias = config.attention_bias
+        if self.interleaved:
+            self.qkv_proj = nn.Linear(config.hidden_size, 3 * qkv, bias=bias)
+        else:
+            self.q_proj = nn.Linear(config.hidden_size, qkv, bias=bias)
+            self.k_proj = nn.Linear(config.hidden_size, qkv, bias=bias)
+            self.v_proj = nn.Linear(config.hidden_size, qkv, bias=bias)
+        self.proj = nn.Linear(qkv, config.hidden_size, bias=bias)
 
     def forward(
         self,
@@ -146,9 +201,11 @@ class KimiHybridVisionAttention(nn.Module):
         and flash attention return no weights)."""
         N = x.shape[0]
         shape = (N, self.num_heads, self.head_dim)
-        q = apply_rope(self.q_proj(x).view(shape), *rope)
-        k = apply_rope(self.k_proj(x).view(shape), *rope)
-        v = self.v_proj(x).view(shape)
+        if self.interleaved:
+            q, k, v = self.qkv_proj(x).view(N, 3, self.num_heads, self.head_dim).unbind(1)
+        else:
+            q, k, v = self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
+        q, k = apply_rope(q, *rope, self.interleaved), apply_rope(k, *rope, self.interleaved)
         if output_attentions:
             attend = eager_attention_forward
         else:
@@ -172,24 +229,26 @@ class KimiHybridVisionAttention(nn.Module):
 
 
 class KimiHybridVisionMLP(nn.Module):
+    """fc1 -> act -> fc2 (Moonshot's mlp2: fc0 -> act -> fc1)."""
+
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__()
-        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.fc1 = nn.Linear(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
         self.act = ACT2FN[config.hidden_act]
-        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.fc2 = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(self.act(self.fc1(x)))
 
 
 class KimiHybridVisionEncoderLayer(GradientCheckpointingLayer):
-    """Pre-LN transformer block."""
+    """Pre-norm transformer block: x += attn(norm1(x)); x += mlp(norm2(x)) (Moonshot's norm0 / norm1)."""
 
     def __init__(self, config: KimiHybridVisionConfig):
         super().__init__()
-        self.norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm1 = vision_norm(config, config.hidden_size)
         self.attn = KimiHybridVisionAttention(config)
-        self.norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.norm2 = vision_norm(config, config.hidden_size)
         self.mlp = KimiHybridVisionMLP(config)
 
     def forward(
@@ -205,7 +264,7 @@ class KimiHybridVisionEncoderLayer(GradientCheckpointingLayer):
 
 def merge_patches(x: torch.Tensor, grid: list[tuple[int, int, int]], merge: tuple[int, int]) -> torch.Tensor:
     """[N, D] patches -> [M, kh * kw, D]: merged token m gathers its kh x kw patches (raster order
-    inside the group), averaged over the frames of a video."""
+    inside the group), averaged over the frames of a video (Moonshot's sd2_tpool)."""
     kh, kw = merge
     rows, start = [], 0
     for t, h, w in grid:
@@ -230,6 +289,8 @@ class KimiHybridVisionPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
     @torch.no_grad()
     def _init_weights(self, module):
+        # transformers' default: normal(0, initializer_range) for linears and the patch conv, zero biases, ones for
+        # LayerNorm / RMSNorm weights (K3's init too)
         super()._init_weights(module)
         if isinstance(module, KimiHybridVisionPositionEmbedding):
             init.trunc_normal_(module.position_embeddings, mean=0.0, std=self.config.initializer_range)
@@ -238,9 +299,9 @@ class KimiHybridVisionPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
 class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
     """forward(pixel_values [N, 3, p, p], grid_thw [I, 3]) -> last_hidden_state [N, D] (after the final
-    LayerNorm) and pooler_output [M, kh * kw, D]: the patches of each merged token (frames averaged).
+    norm) and pooler_output [M, kh * kw, D]: the patches of each merged token (frames averaged).
     With `output_hidden_states`: num_hidden_layers + 1 states [N, D] (the patch embeddings, then each
-    layer's output; the last one is last_hidden_state, after the final LayerNorm, as in kimi_k25); with
+    layer's output; the last one is last_hidden_state, after the final norm, as in kimi_k25); with
     `output_attentions`: one [1, heads, N, N] block-diagonal weight tensor per layer."""
 
     _can_record_outputs = {
@@ -253,7 +314,7 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
         self.merge_kernel_size = tuple(config.merge_kernel_size)
         self.patch_embed = KimiHybridVisionPatchEmbed(config)
         self.layers = nn.ModuleList([KimiHybridVisionEncoderLayer(config) for _ in range(config.num_hidden_layers)])
-        self.final_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.final_layernorm = vision_norm(config, config.hidden_size)
         self.gradient_checkpointing = False
         self.post_init()
 
@@ -264,8 +325,9 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
         output_attentions = bool(kwargs.get("output_attentions", getattr(self.config, "output_attentions", False)))
         grid = check_grid(pixel_values, grid_thw, self.merge_kernel_size)
         x = self.patch_embed(pixel_values, grid)
-        head_dim = self.config.hidden_size // self.config.num_attention_heads
-        rope = axial_rope(grid, head_dim, self.config.rope_parameters["rope_theta"], x.device)
+        head_dim = self.config.qkv_size() // self.config.num_attention_heads
+        rope_fn = interleaved_rope if self.config.rope_parameters["rope_type"] == "interleaved_2d" else axial_rope
+        rope = rope_fn(grid, head_dim, self.config.rope_parameters["rope_theta"], x.device)
         lengths = [t * h * w for t, h, w in grid]
         for layer in self.layers:
             x = layer(x, rope, lengths, output_attentions=output_attentions)
@@ -276,7 +338,8 @@ class KimiHybridVisionModel(KimiHybridVisionPreTrainedModel):
 
 
 class KimiHybridMultimodalProjector(nn.Module):
-    """Merged patches [M, k, D] -> per-patch LayerNorm -> [M, k D] -> Linear -> GELU -> Linear -> [M, text hidden]."""
+    """Kimi K2.5's patchmerger: merged patches [M, k, D] -> per-patch LayerNorm -> [M, k D] -> Linear -> GELU ->
+    Linear -> [M, text hidden]."""
 
     def __init__(self, vision_hidden: int, merge: int, text_hidden: int, eps: float = 1e-5):
         super().__init__()
@@ -291,4 +354,82 @@ class KimiHybridMultimodalProjector(nn.Module):
         return self.out_proj(self.act(self.in_proj(x)))
 
 
-__all__ = ["KimiHybridVisionModel", "KimiHybridVisionPreTrainedModel", "KimiHybridMultimodalProjector"]
+class KimiHybridMultimodalProjectorV2(nn.Module):
+    """Kimi K3's patchmergerv2 (PatchMergerMLPV2): merged patches [M, k, D] -> [M, k D] (no pre-norm) ->
+    proj = Sequential(Linear(k D, k D), exact GELU, Linear(k D, text hidden)), no biases -> post_norm
+    RMSNorm(text hidden, eps) -> [M, text hidden]. Parameter names are the release's: proj.0.weight,
+    proj.2.weight, post_norm.weight."""
+
+    def __init__(self, vision_hidden: int, merge: int, text_hidden: int, eps: float = 1e-5):
+        super().__init__()
+        self.hidden_size = vision_hidden * merge
+        self.proj = nn.Sequential(
+            nn.Linear(self.hidden_size, self.hidden_size, bias=False),
+            nn.GELU(),
+            nn.Linear(self.hidden_size, text_hidden, bias=False),
+        )
+        self.post_norm = nn.RMSNorm(text_hidden, eps=eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.post_norm(self.proj(x.reshape(x.shape[0], self.hidden_size)))
+
+
+def build_multimodal_projector(
+    vision_config: KimiHybridVisionConfig, text_hidden_size: int, layer_norm_eps: float
+) -> nn.Module:
+    """The projector of `vision_config.projector_type`, mapping the tower's pooler_output [M, kh kw, D] to
+    [M, text_hidden_size]: "patchmerger" -> KimiHybridMultimodalProjector (K2.5), "patchmergerv2" ->
+    KimiHybridMultimodalProjectorV2 (K3). Its norm's eps: vision_config.projector_layer_norm_eps, or
+    `layer_norm_eps` (the multimodal config's projection_layer_norm_eps) when that is None."""
+    kh, kw = vision_config.merge_kernel_size
+    eps = vision_config.projector_layer_norm_eps
+    eps = layer_norm_eps if eps is None else eps
+    cls = {"patchmerger": KimiHybridMultimodalProjector, "patchmergerv2": KimiHybridMultimodalProjectorV2}[
+        vision_config.projector_type
+    ]
+    return cls(vision_config.hidden_size, kh * kw, text_hidden_size, eps)
+
+
+def k3_vision_key_mapping() -> list[tuple[str, str]]:
+    """Kimi K3's released vision-tower tensor names -> this tower's parameter names, as (regex source, target)
+    pairs relative to the tower's root (the release's `vision_tower.`; ours `vision_tower.` inside the
+    multimodal model, e.g. `model.vision_tower.`), for a tower built with rope_type "interleaved_2d"
+    (KimiK3VisionConfig):
+
+        patch_embed.proj.weight         [C, 3, p, p]     the same name (no entry)
+        patch_embed.pos_emb.weight      [H, W, C]        -> patch_embed.pos_emb.position_embeddings
+        encoder.blocks.{i}.norm0.*      [C]              -> layers.{i}.norm1.*
+        encoder.blocks.{i}.norm1.*      [C]              -> layers.{i}.norm2.*
+        encoder.blocks.{i}.wqkv.*       [3 qkv, C]       -> layers.{i}.attn.qkv_proj.*
+        encoder.blocks.{i}.wo.*         [C, qkv]         -> layers.{i}.attn.proj.*
+        encoder.blocks.{i}.mlp.fc0.*    [I, C]           -> layers.{i}.mlp.fc1.*
+        encoder.blocks.{i}.mlp.fc1.*    [C, I]           -> layers.{i}.mlp.fc2.*
+        encoder.final_layernorm.*       [C]              -> final_layernorm.*
+
+    Every tensor is a pure rename (no split, no row permutation: the interleaved RoPE reads wqkv's q/k rows in
+    their released order), so the reverse pairs write the released names back on save. The projector
+    (`mm_projector.` in the release) needs no entry: KimiHybridMultimodalProjectorV2's parameters are named
+    proj.0.weight, proj.2.weight and post_norm.weight as released. Sources are anchored (`^`) and no target
+    matches another source, so applying the pairs one after another (transformers' WeightRenaming does) renames
+    each key once; the non-persistent buffers (time embedding, freqs_cis) are not stored in either layout."""
+    block = r"^encoder\.blocks\.(\d+)\."
+    return [
+        (r"^patch_embed\.pos_emb\.weight", "patch_embed.pos_emb.position_embeddings"),
+        (block + r"norm0\.", r"layers.\1.norm1."),
+        (block + r"norm1\.", r"layers.\1.norm2."),
+        (block + r"wqkv\.", r"layers.\1.attn.qkv_proj."),
+        (block + r"wo\.", r"layers.\1.attn.proj."),
+        (block + r"mlp\.fc0\.", r"layers.\1.mlp.fc1."),
+        (block + r"mlp\.fc1\.", r"layers.\1.mlp.fc2."),
+        (r"^encoder\.final_layernorm\.", "final_layernorm."),
+    ]
+
+
+__all__ = [
+    "KimiHybridVisionModel",
+    "KimiHybridVisionPreTrainedModel",
+    "KimiHybridMultimodalProjector",
+    "KimiHybridMultimodalProjectorV2",
+    "build_multimodal_projector",
+    "k3_vision_key_mapping",
+]

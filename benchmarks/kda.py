@@ -4,10 +4,14 @@ kimi_linear torch fallbacks (chunk_kimi_delta_attention and the token loop recur
     python benchmarks/kda.py                 # T in 512 ... 8192, B=1, H=4, K=V=64
     python benchmarks/kda.py --quick         # T in 256, 512, 1024, no memory column: about a minute
     python benchmarks/kda.py --cuda [...]    # the CUDA section: Triton kernels vs fla (kda_cuda.py)
+    python benchmarks/kda.py --gate-only     # only the "safe gate vs plain gate" table
 
 Prints one table per mode (forward, forward+backward): median time, the spread of the repeats, peak
 memory (extra RSS of a fresh process running the call once) and our speed-up over each peer, then the
-scaling check time(8192) / time(2048). Nothing else should run on the machine meanwhile: timings on
+scaling check time(8192) / time(2048), then "safe gate vs plain gate": ours with the gate computed inside
+(use_gate_in_kernel=True), Kimi K3's safe gate lower_bound * sigmoid(exp(A_log) (f + dt_bias)) against
+Kimi-Linear's -exp(A_log) softplus(f + dt_bias), and their ratio (the bounded gate should cost nothing
+extra: <= 1.05x). Nothing else should run on the machine meanwhile: timings on
 shared machines swing widely, and a WARNING line says when they did.
 """
 
@@ -17,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 
 if "--cuda" not in sys.argv:  # CPU peers are transformers' torch fallbacks; keep fla's CPU warning out
@@ -29,6 +34,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from common import (  # noqa: E402
     NOT_RUN,
+    Timing,
     argument_parser,
     ratio_range,
     scaling_warning,
@@ -71,6 +77,78 @@ def runner(impl):
     if impl == "hf_chunk":
         return lambda q, k, v, g, b: hf_chunk(q, k, v, g, b)[0]
     return lambda q, k, v, g, b: hf_loop(q, k, v, g, b, initial_state=None, output_final_state=False)[0]
+
+
+LOWER_BOUND = -5.0  # Kimi K3's safe-gate bound
+
+
+def gate_inputs(T, H, K, V, requires_grad=False, seed=0):
+    """Inputs of the fused-gate calls: q, k, v, the raw forget input f (either sign), beta, A_log [H] and
+    dt_bias [H * K] (Kimi-Linear's initialisation: A_log = log of 1 ... 16)."""
+    q, k, v, _, beta = make_inputs(T, H, K, V, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(1, T, H, K, generator=gen) * 2
+    A_log = torch.empty(H).uniform_(1, 16, generator=gen).log()
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, f, beta, A_log, dt_bias)]
+
+
+def gate_runner(safe):
+    """ours (torch path) with the gate inside: the K3 safe gate or Kimi-Linear's."""
+    from kimi_hf.ops import chunk_kda
+
+    gate = dict(safe_gate=True, lower_bound=LOWER_BOUND) if safe else {}
+
+    def fn(q, k, v, f, b, A_log, dt_bias):
+        return chunk_kda(
+            q, k, v, f, b, backend="torch", use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, **gate
+        )[0]
+
+    return fn
+
+
+def timed_pair(fa, fb, repeats, budget_s=None, min_repeats=3):
+    """Timings of fa() and fb() measured in alternation (a b, b a, a b, ...) after one warm-up call each,
+    so that a change of the machine's load weighs on both alike: their ratio is what the table is about.
+    With budget_s, stops once the repeats took that long (after at least min(min_repeats, repeats))."""
+    fa()
+    fb()
+    ta, tb, start = [], [], time.perf_counter()
+    for i in range(repeats):
+        for fn, times in ((fa, ta), (fb, tb)) if i % 2 == 0 else ((fb, tb), (fa, ta)):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if budget_s is not None and i + 1 >= min(min_repeats, repeats) and time.perf_counter() - start > budget_s:
+            break
+    return Timing(tuple(ta)), Timing(tuple(tb))
+
+
+def gate_table(args):
+    """The "safe gate vs plain gate" table; returns its timings by label."""
+    print(f"\n## safe gate vs plain gate (ours, use_gate_in_kernel=True; safe: lower_bound={LOWER_BOUND})")
+    print("| T | mode | plain ms | safe ms | spread | safe / plain |")
+    print("|---|---|---|---|---|---|")
+    times = {}
+    for T in args.T:
+        for backward in (False, True):
+            mode = "fwd+bwd" if backward else "fwd"
+            xs = gate_inputs(T, args.H, args.K, args.V, requires_grad=backward)
+            plain_fn, safe_fn = gate_runner(False), gate_runner(True)
+            plain, safe_t = timed_pair(
+                lambda: call(plain_fn, xs, backward),
+                lambda: call(safe_fn, xs, backward),
+                args.repeats,
+                budget_s=args.budget,
+            )
+            times[f"T={T} plain ({mode})"], times[f"T={T} safe ({mode})"] = plain, safe_t
+            print(
+                f"| {T} | {mode} | {plain.ms:.1f} | {safe_t.ms:.1f} | {spread_cell(plain, safe_t)} | "
+                f"{safe_t.median / plain.median:.2f}x |",
+                flush=True,
+            )
+    warn(spread_warning(times, "gate timings"))
+    return times
 
 
 def call(fn, xs, backward):
@@ -131,6 +209,7 @@ def main(argv=None):
     )
     p.add_argument("--cuda", action="store_true", help="the CUDA section instead (kda_cuda.py; --help there)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--gate-only", action="store_true", help='only the "safe gate vs plain gate" table (ours alone)')
     p.add_argument("--max-T-hf-chunk", type=int, default=4096, help="largest T for the slow chunked fallback")
     p.add_argument(
         "--max-T-peer-backward",
@@ -151,6 +230,8 @@ def main(argv=None):
         f"{'; no memory column (--quick)' if args.quick else ''}"
     )
     print("# spread: interquartile range / median of a cell's repeats, the worst of the row ('!': too noisy)")
+    if args.gate_only:
+        return gate_table(args)
     ours_times, all_times = {}, {}
     for backward in (False, True):
         mode = "forward+backward" if backward else "forward"
@@ -197,6 +278,7 @@ def main(argv=None):
                 f"{high:.2f}; linear: {hi / lo:.0f})"
             )
             warn(scaling_warning(f"scaling ({label})", ours_times[(backward, lo)], ours_times[(backward, hi)], lo, hi))
+    all_times.update(gate_table(args))
     return all_times
 
 

@@ -25,11 +25,18 @@ def _operand_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Meta:
-    def __init__(self, tab, H, K, V, scale, l2norm, gate, beta_sigmoid):
+    def __init__(self, tab, H, K, V, scale, l2norm, gate, lower_bound, beta_sigmoid):
         self.tab, self.H, self.K, self.V, self.scale = tab, H, K, V, scale
         # tl.dot needs every dimension >= 16
         self.BK, self.BV = max(16, triton.next_power_of_2(K)), max(16, triton.next_power_of_2(V))
         self.l2norm, self.gate, self.beta_sigmoid = l2norm, gate, beta_sigmoid
+        # the safe gate (lower_bound set) or Kimi-Linear's; the kernels take a float either way
+        self.safe_gate = lower_bound is not None
+        self.lower_bound = float(lower_bound) if self.safe_gate else 0.0
+
+    def gate_args(self, A_log, dt_bias):
+        """The gate's arguments of `gate_cumsum_kernel` / `intra_bwd_kernel` (lower_bound is a runtime float)."""
+        return dict(GATE=self.gate, SAFE_GATE=self.safe_gate, HAS_A=A_log is not None, HAS_BIAS=dt_bias is not None)
 
     def common(self):
         return dict(H=self.H, K=self.K, BT=CHUNK, BK=self.BK)
@@ -98,7 +105,15 @@ class ChunkKDAFunction(torch.autograd.Function):
         G, A, P, X = new32(T, H, K), new32(T, H, CHUNK), new32(T, H, CHUNK), new32(T, H, CHUNK)
         grid = (tab.num_chunks, H)
         gate_cumsum_kernel[grid](
-            g, A_log, dt_bias, G, tab.bos, tab.length, GATE=meta.gate, HAS_BIAS=dt_bias is not None, **meta.common()
+            g,
+            A_log,
+            dt_bias,
+            G,
+            tab.bos,
+            tab.length,
+            meta.lower_bound,
+            **meta.gate_args(A_log, dt_bias),
+            **meta.common(),
         )
         scores_kernel[grid](
             q,
@@ -217,7 +232,7 @@ class ChunkKDAFunction(torch.autograd.Function):
             BETA_SIGMOID=m.beta_sigmoid,
         )
         dq, dk, dg, dbeta = torch.empty_like(q), torch.empty_like(k), torch.empty_like(g), torch.empty_like(beta)
-        dA_log = new32(tab.num_chunks, H) if m.gate else None
+        dA_log = new32(tab.num_chunks, H) if A_log is not None else None  # per chunk, summed below
         intra_bwd_kernel[cgrid](
             q,
             k,
@@ -242,17 +257,19 @@ class ChunkKDAFunction(torch.autograd.Function):
             tab.bos,
             tab.length,
             m.scale,
+            m.lower_bound,
             BC=SUB,
             L2NORM=m.l2norm,
             BETA_SIGMOID=m.beta_sigmoid,
-            GATE=m.gate,
-            HAS_BIAS=dt_bias is not None,
+            **m.gate_args(A_log, dt_bias),
             **m.common(),
         )
         d_alog = d_bias = None
         if m.gate:
-            d_alog = dA_log.sum(0).to(A_log.dtype)
-            if dt_bias is not None:  # dt_bias enters as f + dt_bias: its gradient is df summed over tokens
+            if A_log is not None:  # optional with the safe gate
+                d_alog = dA_log.sum(0).to(A_log.dtype)
+            # dt_bias enters as f + dt_bias (either gate): its gradient is df summed over tokens
+            if dt_bias is not None:
                 d_bias = dg.float().sum(0).reshape(-1).to(dt_bias.dtype)
         return dq, dk, dv, dg, dbeta, d_alog, d_bias, dh0, None, None
 
@@ -271,11 +288,14 @@ def chunk_kda(
     A_log=None,
     dt_bias=None,
     use_beta_sigmoid=False,
+    lower_bound=None,
 ):
     """Chunked KDA (forward and backward on Triton), same contract as kimi_hf.ops.chunk_kda's
     implementations (inputs already checked): q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]
-    (the log-decay, or the raw forget projection f when A_log is given: g = -exp(A_log) *
-    softplus(f + dt_bias) is then computed inside); beta [B, T, H] (logits when use_beta_sigmoid);
+    (the log-decay, or the raw forget projection f when A_log or lower_bound is given: the gate is then
+    computed inside, in fp32, and differentiated there too: g = -exp(A_log) softplus(f + dt_bias), or,
+    with lower_bound < 0, Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) with A_log
+    optional); A_log [H]; dt_bias [H * K] or None; beta [B, T, H] (logits when use_beta_sigmoid);
     initial_state [N, H, K, V] fp32 or None. K and V up to 256.
     Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
     B, T, H, K = q.shape
@@ -283,7 +303,8 @@ def chunk_kda(
     if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
         raise ValueError(f"the Triton KDA kernels take head dims up to {MAX_HEAD_DIM}, got K={K}, V={V}")
     tab = ChunkTables(B, T, cu_seqlens, q.device)
-    meta = _Meta(tab, H, K, V, float(scale), bool(use_qk_l2norm), A_log is not None, bool(use_beta_sigmoid))
+    gate = A_log is not None or lower_bound is not None
+    meta = _Meta(tab, H, K, V, float(scale), bool(use_qk_l2norm), gate, lower_bound, bool(use_beta_sigmoid))
     h0 = initial_state.float().contiguous() if initial_state is not None else None
     o, ht = ChunkKDAFunction.apply(
         _flat(q),

@@ -10,7 +10,7 @@ entering a chunk and dS' the gradient of the state leaving it:
    dA = -X^T (dW R_w^T + dU R_u^T) X^T (strictly lower part).
 4. `intra_bwd`: through the anchored scores A, P (same sub-blocks and anchors as the forward), then
    sums all partial gradients, turns dG into dg by a reverse cumsum inside the chunk, and applies
-   the backward of the fused scale / L2 norm / gate / beta sigmoid.
+   the backward of the fused scale / L2 norm / gate (either gate: `common.gate_bwd`) / beta sigmoid.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import triton.language as tl
 
 from .common import (
     configs,
+    gate_bwd,
+    gate_scale,
     l2norm_bwd,
     load_beta,
     load_block,
@@ -29,7 +31,6 @@ from .common import (
     load_qk,
     load_rows,
     qk_row_scale,
-    softplus,
     state_ptrs,
     store_block,
     store_rows,
@@ -254,7 +255,7 @@ def _diag_scores_bwd(q_i, k_i, G_i, b_i, d_a, d_p, dq, dk, dG, db, BC: tl.conste
     return dq, dk, dG, db
 
 
-@triton.autotune(configs=configs({}), key=["H", "K", "L2NORM", "GATE"])
+@triton.autotune(configs=configs({}), key=["H", "K", "L2NORM", "GATE", "SAFE_GATE"])
 @triton.jit
 def intra_bwd_kernel(
     q,
@@ -280,6 +281,7 @@ def intra_bwd_kernel(
     chunk_bos,
     chunk_len,
     scale,
+    lower_bound,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
@@ -288,6 +290,8 @@ def intra_bwd_kernel(
     L2NORM: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
     GATE: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -296,6 +300,8 @@ def intra_bwd_kernel(
     r = tl.arange(0, BC)
     later = tl.zeros([BK], dtype=tl.float32)  # sum of dG over the sub-chunks after this one
     d_alog = tl.zeros([BK], dtype=tl.float32)
+    if GATE:
+        a = gate_scale(A_log, i_h, HAS_A)
     for tt in range(NS):  # last sub-chunk first: `later` carries the reverse cumsum across them
         t = NS - 1 - tt
         t_t, n_t = bos + t * BC, n - t * BC
@@ -355,19 +361,18 @@ def intra_bwd_kernel(
         d_k = l2norm_bwd(load_rows(k, t_t, n_t, i_h, 0, H, K, BC, BK), d_k, L2NORM)
         store_rows(dq, d_q, t_t, n_t, i_h, 0, H, K, BC, BK)
         store_rows(dk, d_k, t_t, n_t, i_h, 0, H, K, BC, BK)
-        if GATE:  # g = -exp(A_log) softplus(f + dt_bias): df = dg * -exp(A_log) sigmoid(f + dt_bias)
+        if GATE:  # g = gate(f + dt_bias): df = dg * gate'(f + dt_bias); dA_log summed over the chunk
             f = load_rows(g, t_t, n_t, i_h, 0, H, K, BC, BK)
             if HAS_BIAS:
                 f += tl.load(dt_bias + i_h * K + tl.arange(0, BK), mask=tl.arange(0, BK) < K, other=0.0).to(
                     tl.float32
                 )[None, :]
-            a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
-            valid = (r < n_t)[:, None]
-            d_alog += tl.sum(tl.where(valid, d_g * -a * softplus(f), 0.0), 0)  # dg/dA_log = g
-            d_g = d_g * -a * tl.sigmoid(f)
+            d_g, d_l = gate_bwd(f, d_g, a, lower_bound, SAFE_GATE)
+            if HAS_A:
+                d_alog += tl.sum(tl.where((r < n_t)[:, None], d_l, 0.0), 0)
         store_rows(dg, d_g, t_t, n_t, i_h, 0, H, K, BC, BK)
         if BETA_SIGMOID:
             d_b = d_b * b_t * (1.0 - b_t)
         tl.store(dbeta + (t_t + r).to(tl.int64) * H + i_h, d_b, mask=r < n_t)
-    if GATE:
+    if GATE and HAS_A:
         tl.store(dA_log + i_c.to(tl.int64) * H + i_h, tl.sum(d_alog, 0))

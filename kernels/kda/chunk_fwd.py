@@ -1,7 +1,7 @@
 """Chunked KDA forward kernels (the WY / UT-transform chunking of DeltaNet and Kimi Linear, arXiv 2510.26692), one launch per stage:
 
-1. `gate_cumsum`: G = chunk-local cumsum of g, in fp32 (the gate -exp(A_log) softplus(f + dt_bias)
-   fused in when asked).
+1. `gate_cumsum`: G = chunk-local cumsum of g, in fp32 (the gate fused in when asked: Kimi-Linear's
+   -exp(A_log) softplus(f + dt_bias), or Kimi K3's safe gate lower_bound * sigmoid(exp(A_log) (f + dt_bias))).
 2. `scores`: per chunk, A = Diag(beta) tril_-1(A_kk) and P = tril(A_qk) (q scaled), sub-chunk by
    sub-chunk with anchored exponents: for a block (i, j < i) every row carries exp(G_r - G_n) <= 1
    and every column exp(G_n - G_c) <= 1, with n the first row of sub-chunk i; diagonal blocks are
@@ -22,20 +22,21 @@ import triton.language as tl
 
 from .common import (
     configs,
+    gate_fwd,
+    gate_scale,
     load_beta,
     load_block,
     load_cumgate,
     load_cumgate_row,
     load_qk,
     load_rows,
-    softplus,
     state_ptrs,
     store_block,
     store_rows,
 )
 
 
-@triton.autotune(configs=configs({}), key=["H", "K", "GATE"])
+@triton.autotune(configs=configs({}), key=["H", "K", "GATE", "SAFE_GATE"])
 @triton.jit
 def gate_cumsum_kernel(
     g,
@@ -44,11 +45,14 @@ def gate_cumsum_kernel(
     G,
     chunk_bos,
     chunk_len,
+    lower_bound,
     H: tl.constexpr,
     K: tl.constexpr,
     BT: tl.constexpr,
     BK: tl.constexpr,
     GATE: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
     i_c, i_h = tl.program_id(0), tl.program_id(1)
@@ -58,7 +62,8 @@ def gate_cumsum_kernel(
         d = tl.arange(0, BK)
         if HAS_BIAS:
             x += tl.load(dt_bias + i_h * K + d, mask=d < K, other=0.0).to(tl.float32)[None, :]
-        x = -tl.exp(tl.load(A_log + i_h).to(tl.float32)) * softplus(x)
+        x = gate_fwd(x, gate_scale(A_log, i_h, HAS_A), lower_bound, SAFE_GATE)
+        # rows past the chunk read f = 0, whose gate is not 0: they must not enter the cumsum's padding
         x = tl.where((tl.arange(0, BT) < n)[:, None], x, 0.0)
     store_rows(G, tl.cumsum(x, 0), bos, n, i_h, 0, H, K, BT, BK)
 

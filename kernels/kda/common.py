@@ -160,6 +160,51 @@ def softplus(x):
 
 
 @triton.jit
+def gate_scale(A_log, i_h, HAS_A: tl.constexpr):
+    """The per-head scale a = exp(A_log[i_h]) of the fused gate, in fp32 (1 without A_log: the safe gate
+    takes A_log = None, as in fla). Loaded once per program, outside the token loops."""
+    a = 1.0
+    if HAS_A:
+        a = tl.exp(tl.load(A_log + i_h).to(tl.float32))
+    return a
+
+
+@triton.jit
+def gate_fwd(x, a, lower_bound, SAFE_GATE: tl.constexpr):
+    """The fused gate on an fp32 tile x = f + dt_bias, a = `gate_scale`: the log-decay g <= 0.
+
+    SAFE_GATE (Kimi K3, fla's safe_gate): g = lower_bound * sigmoid(a x), in [lower_bound, 0].
+    Otherwise (Kimi-Linear): g = -a softplus(x).
+    """
+    if SAFE_GATE:
+        g = lower_bound * tl.sigmoid(a * x)
+    else:
+        g = -a * softplus(x)
+    return g
+
+
+@triton.jit
+def gate_bwd(x, dg, a, lower_bound, SAFE_GATE: tl.constexpr):
+    """Backward of `gate_fwd` given dg, the gradient w.r.t. g: returns (dx, dl). dx is the gradient w.r.t.
+    x = f + dt_bias (each token's share of dt_bias's, too); dl = dg * dg/dA_log per element, to be summed
+    over tokens and channels (meaningless without A_log: a = 1 then is a constant).
+
+    SAFE_GATE: with z = a x and s = sigmoid(z), dg/dz = lower_bound s (1 - s); dz/dx = a, dz/dA_log = z
+    (da/dA_log = a). Otherwise: dg/dx = -a sigmoid(x) and dg/dA_log = g = -a softplus(x).
+    """
+    if SAFE_GATE:
+        z = a * x
+        s = tl.sigmoid(z)
+        dz = dg * (lower_bound * s * (1.0 - s))
+        dx = dz * a
+        dl = dz * z
+    else:
+        dx = dg * -a * tl.sigmoid(x)
+        dl = dg * -a * softplus(x)
+    return dx, dl
+
+
+@triton.jit
 def load_block(ptr, t0, n, i_h, col0, H: tl.constexpr, BT: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr):
     """[BR, BC] block of a per-chunk [T, H, BT] matrix: rows t0 + [0, BR), columns col0 + [0, BC)."""
     return load_rows(ptr, t0, n, i_h, col0, H, BT, BR, BC)

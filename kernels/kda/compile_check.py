@@ -28,11 +28,15 @@ from .common import INNER_BLOCK
 # pointers holding inputs, outputs of the inputs' dtype and the stored dot operands
 _INPUT_DTYPE = {"q", "k", "v", "g", "beta", "W", "U", "vnew", "hs", "o", "do", "dq", "dk", "dv", "dg", "dbeta"}
 _INT = {"chunk_bos", "chunk_len", "seq_chunks", "cu_seqlens"}
-_SCALARS = {"scale": "fp32", "T": "i32"}
+_SCALARS = {"scale": "fp32", "lower_bound": "fp32", "T": "i32"}
+# the kernels that apply the gate are also built with Kimi K3's safe gate (SAFE_GATE, a constexpr branch)
+SAFE_GATE_KERNELS = ("gate_cumsum", "intra_bwd", "recurrent")
+_SAFE_SUFFIX = "[safe_gate]"
 
 
 def kernels():
-    return {
+    """Name -> kernel; "NAME[safe_gate]" is NAME built with SAFE_GATE on."""
+    base = {
         "gate_cumsum": chunk_fwd.gate_cumsum_kernel,
         "scores": chunk_fwd.scores_kernel,
         "wy": chunk_fwd.wy_kernel,
@@ -44,10 +48,12 @@ def kernels():
         "intra_bwd": chunk_bwd.intra_bwd_kernel,
         "recurrent": recurrent._recurrent_kda_fwd,
     }
+    return {**base, **{name + _SAFE_SUFFIX: base[name] for name in SAFE_GATE_KERNELS}}
 
 
-def constexprs(D: int) -> dict:
-    """One value per constexpr parameter name used by the kernels (every optional path on)."""
+def constexprs(D: int, safe_gate: bool = False) -> dict:
+    """One value per constexpr parameter name used by the kernels (every optional path on; the gate is
+    Kimi-Linear's unless safe_gate)."""
     return dict(
         H=32,
         K=D,
@@ -60,6 +66,8 @@ def constexprs(D: int) -> dict:
         L2NORM=True,
         BETA_SIGMOID=True,
         GATE=True,
+        SAFE_GATE=safe_gate,
+        HAS_A=True,
         HAS_BIAS=True,
         INVERT=True,
         USE_H0=True,
@@ -70,9 +78,11 @@ def constexprs(D: int) -> dict:
     )
 
 
-def compile_kernel(kernel, D: int, dtype: str, arch: int, num_warps: int = 4, num_stages: int = 2):
+def compile_kernel(
+    kernel, D: int, dtype: str, arch: int, num_warps: int = 4, num_stages: int = 2, safe_gate: bool = False
+):
     fn = getattr(kernel, "fn", kernel)  # autotuned kernels wrap the JITFunction
-    values = constexprs(D)
+    values = constexprs(D, safe_gate)
     sig, consts = {}, {}
     for name in inspect.signature(fn.fn).parameters:
         if name in values:
@@ -122,7 +132,10 @@ def main(argv=None):
             if args.only and name not in args.only:
                 continue
             for warps in args.warps:
-                usage = resource_usage(compile_kernel(kernel, args.D, dtype, args.arch, warps).asm["cubin"])
+                safe = name.endswith(_SAFE_SUFFIX)
+                usage = resource_usage(
+                    compile_kernel(kernel, args.D, dtype, args.arch, warps, safe_gate=safe).asm["cubin"]
+                )
                 print(
                     f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |",
                     flush=True,

@@ -3,7 +3,8 @@
 One program per (value block, sequence, head) keeps its [K, BV] slice of the state in registers, in
 fp32, and walks the tokens: S <- S * exp(g_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
 The whole K dimension is in the block, so the optional q/k L2 norm (x / sqrt(sum x^2 + 1e-6)) is
-fused in, as are the gate activation g = -exp(A_log) softplus(f + dt_bias) and sigmoid(beta).
+fused in, as are the gate activation (g = -exp(A_log) softplus(f + dt_bias), or Kimi K3's safe gate
+g = lower_bound * sigmoid(exp(A_log) (f + dt_bias))) and sigmoid(beta).
 Forward only: kimi_hf's dispatcher uses the PyTorch path when gradients are needed.
 """
 
@@ -13,10 +14,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import configs, softplus
+from .common import configs, gate_fwd, gate_scale
 
 
-@triton.autotune(configs=configs({"BV": (16, 32, 64)}, {"BV": 32}), key=["K", "V", "L2NORM"])
+@triton.autotune(configs=configs({"BV": (16, 32, 64)}, {"BV": 32}), key=["K", "V", "L2NORM", "SAFE_GATE"])
 @triton.jit
 def _recurrent_kda_fwd(
     q,
@@ -31,6 +32,7 @@ def _recurrent_kda_fwd(
     ht,
     cu_seqlens,
     scale,
+    lower_bound,
     T,
     H: tl.constexpr,
     K: tl.constexpr,
@@ -42,6 +44,8 @@ def _recurrent_kda_fwd(
     VARLEN: tl.constexpr,
     L2NORM: tl.constexpr,
     GATE: tl.constexpr,
+    SAFE_GATE: tl.constexpr,
+    HAS_A: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BETA_SIGMOID: tl.constexpr,
 ):
@@ -62,7 +66,7 @@ def _recurrent_kda_fwd(
     if USE_H0:
         S += tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
     if GATE:
-        neg_a = -tl.exp(tl.load(A_log + i_h).to(tl.float32))
+        a = gate_scale(A_log, i_h, HAS_A)
         if HAS_BIAS:
             bias = tl.load(dt_bias + i_h * K + o_k, mask=m_k, other=0.0).to(tl.float32)
     for t in range(bos, eos):
@@ -77,7 +81,7 @@ def _recurrent_kda_fwd(
         if GATE:
             if HAS_BIAS:
                 b_g += bias
-            b_g = neg_a * softplus(b_g)
+            b_g = gate_fwd(b_g, a, lower_bound, SAFE_GATE)
         if L2NORM:
             b_q = b_q / tl.sqrt(tl.sum(b_q * b_q) + 1e-6)
             b_k = b_k / tl.sqrt(tl.sum(b_k * b_k) + 1e-6)
@@ -104,11 +108,13 @@ def recurrent_kda(
     A_log=None,
     dt_bias=None,
     use_beta_sigmoid=False,
+    lower_bound=None,
 ):
     """Same contract as kimi_hf.ops.recurrent_kda's implementations (inputs already checked):
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32 or None.
-    With A_log, g is the raw forget input f (dt_bias [H * K] or None); with use_beta_sigmoid, beta
-    holds logits.
+    With A_log or lower_bound, g is the raw forget input f (A_log [H], dt_bias [H * K] or None): the gate is
+    -exp(A_log) softplus(f + dt_bias), or with lower_bound < 0 the safe gate
+    lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (A_log optional); with use_beta_sigmoid, beta holds logits.
     Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]
@@ -131,6 +137,7 @@ def recurrent_kda(
         ht,
         cu_seqlens,
         scale,
+        0.0 if lower_bound is None else float(lower_bound),
         T,
         H=H,
         K=K,
@@ -140,7 +147,9 @@ def recurrent_kda(
         STORE_HT=ht is not None,
         VARLEN=cu_seqlens is not None,
         L2NORM=use_qk_l2norm,
-        GATE=A_log is not None,
+        GATE=A_log is not None or lower_bound is not None,
+        SAFE_GATE=lower_bound is not None,
+        HAS_A=A_log is not None,
         HAS_BIAS=dt_bias is not None,
         BETA_SIGMOID=use_beta_sigmoid,
     )

@@ -252,6 +252,8 @@ def test_public_signatures_are_fixed():
             "use_qk_l2norm",
             "backend",
             "use_gate_in_kernel",
+            "safe_gate",
+            "lower_bound",
             "A_log",
             "dt_bias",
             "use_beta_sigmoid_in_kernel",
@@ -289,6 +291,19 @@ def _bad_cases():
     yield "A_log", TypeError, ok, dict(use_gate_in_kernel=True)
     yield "A_log", ValueError, ok, dict(use_gate_in_kernel=True, A_log=torch.zeros(3))
     yield "dt_bias", ValueError, ok, dict(use_gate_in_kernel=True, A_log=torch.zeros(2), dt_bias=torch.zeros(8))
+    # the safe gate: use_gate_in_kernel=True and a finite lower_bound < 0 are required
+    yield "safe_gate", ValueError, ok, dict(safe_gate=True, lower_bound=-5.0)
+    yield "lower_bound", ValueError, ok, dict(lower_bound=-5.0)
+    yield "lower_bound", ValueError, ok, dict(use_gate_in_kernel=True, safe_gate=True, A_log=torch.zeros(2))
+    for bad in (0.0, 2.0, float("nan"), float("-inf")):
+        yield "lower_bound", ValueError, ok, dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=bad)
+    yield "lower_bound", TypeError, ok, dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=torch.tensor(-5.0))
+    yield (
+        "A_log",
+        ValueError,
+        ok,
+        dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5.0, A_log=torch.zeros(3)),
+    )
 
 
 @pytest.mark.parametrize("name,exc,tensors,kwargs", list(_bad_cases()))
@@ -375,3 +390,120 @@ def test_value_checks_do_not_break_compile_or_export():
 
     assert torch.equal(torch.compile(checks, fullgraph=True, backend="eager")(q, k, v, g, beta, cu), q * 8**-0.5 + 2)
     torch._dynamo.reset()
+
+
+# --------------------------------------------------------------------------------------------
+# Kimi K3's safe gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
+# --------------------------------------------------------------------------------------------
+LOWER_BOUND = -5.0  # Kimi K3's value
+
+
+def safe_gate_fp64(f, A_log, dt_bias, lower_bound):
+    """The K3 gate written out in fp64, independently of kda_gate: dt_bias added to f first, times the
+    per-head exp(A_log) (1 without A_log, as in fla), sigmoid, times lower_bound. f [B, T, H, K]."""
+    H, K = f.shape[-2:]
+    x = f.double() + dt_bias.double().reshape(H, K)
+    if A_log is not None:
+        x = A_log.double().exp().reshape(H, 1) * x
+    return lower_bound / (1.0 + torch.exp(-x))
+
+
+def _safe_gate_inputs(T, H, K, V, N, seed):
+    """q, k, v, f (raw forget input, either sign, some channels saturating both ends), beta, A_log, dt_bias, h0."""
+    q, k, v, f, beta = make_inputs(1, T, H, K, V, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    f = torch.randn(f.shape, generator=gen) * 3
+    f[..., 0], f[..., 1] = 30.0, -30.0  # sigmoid saturated: g = lower_bound (the strongest decay) and g = 0
+    A_log = torch.linspace(-0.5, 1.0, H)
+    dt_bias = torch.randn(H * K, generator=gen) * 0.5
+    h0 = torch.randn(N, H, K, V, generator=gen)
+    return q, k, v, f, beta, A_log, dt_bias, h0
+
+
+@pytest.mark.parametrize("with_A_log", [True, False])
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_safe_gate_matches_the_fp64_formula(fn, backend, with_A_log):
+    """chunk_kda / recurrent_kda(use_gate_in_kernel=True, safe_gate=True, lower_bound=-5) in fp32, packed
+    sequences (one spans two chunks, one is empty) with initial states: outputs, final states and the
+    gradients of every input (A_log and dt_bias included) against the fp64 gate formula fed to the fp64
+    token loop."""
+    cu = torch.tensor([0, 9, 9, 75])
+    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(75, 2, 8, 8, 3, seed=21)
+    A_log = A_log if with_A_log else None
+    tensors = [q, k, v, f, beta, h0, dt_bias] + ([A_log] if with_A_log else [])
+    gen = torch.Generator().manual_seed(5)
+    w_o, w_S = torch.randn(v.shape, generator=gen, dtype=torch.float64), torch.randn(h0.shape, generator=gen)
+
+    def run(dtype, ours):
+        xs = [x.detach().to(dtype).requires_grad_() for x in tensors]
+        q_, k_, v_, f_, b_, h_, bias_ = xs[:7]
+        A_ = xs[7] if with_A_log else None
+        if ours:
+            gate = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, A_log=A_, dt_bias=bias_)
+            o, S = fn(
+                q_, k_, v_, f_, b_, initial_state=h_, output_final_state=True, cu_seqlens=cu, backend=backend, **gate
+            )
+        else:
+            g = safe_gate_fp64(f_, A_, bias_, LOWER_BOUND)
+            o, S = fn(q_, k_, v_, g, b_, initial_state=h_, output_final_state=True, cu_seqlens=cu, backend="reference")
+        ((o.double() * w_o).sum() + (S.double() * w_S.double()).sum()).backward()
+        return o, S, [x.grad for x in xs]
+
+    o, S, grads = run(torch.float32, ours=True)
+    o_ref, S_ref, grads_ref = run(torch.float64, ours=False)
+    assert o.dtype == torch.float32 and S.dtype == torch.float32
+    assert rel_rms(o, o_ref) <= TOL and rel_rms(S, S_ref) <= TOL
+    assert torch.equal(S[1], h0[1])  # the empty sequence
+    names = ["q", "k", "v", "f", "beta", "h0", "dt_bias", "A_log"]
+    for name, a, b in zip(names, grads, grads_ref):
+        assert a.dtype == torch.float32 and torch.isfinite(a).all(), name
+        assert rel_rms(a, b) <= TOL, (name, rel_rms(a, b))
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_safe_gate_gradcheck_float64(fn, backend):
+    """Exact-arithmetic gradients of the safe gate's inputs f, A_log and dt_bias through the whole op
+    (packed sequences, initial states), on tiny shapes."""
+    cu = torch.tensor([0, 2, 7])
+    q, k, v, f, beta, A_log, dt_bias, h0 = (x.double() for x in _safe_gate_inputs(7, 2, 4, 3, 2, seed=8))
+    f = f / 6  # away from saturation: finite differences see the curvature
+
+    def op(f, A_log, dt_bias):
+        gate = dict(use_gate_in_kernel=True, safe_gate=True, lower_bound=LOWER_BOUND, A_log=A_log, dt_bias=dt_bias)
+        return fn(q, k, v, f, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, backend=backend, **gate)
+
+    # fast_mode: random projections of the Jacobian (the full one costs ~10 s on the chunked path); the test
+    # above compares every gradient elementwise with the fp64 formula
+    assert torch.autograd.gradcheck(op, tuple(x.requires_grad_() for x in (f, A_log, dt_bias)), fast_mode=True)
+
+
+@pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
+def test_lower_bound_selects_the_bounded_gate_as_in_fla(fn):
+    """fla's semantics: with use_gate_in_kernel=True the formula follows lower_bound (safe_gate=True only
+    insists on one): the same results with or without safe_gate; A_log=None means exp(A_log) = 1."""
+    q, k, v, f, beta, A_log, dt_bias, _ = _safe_gate_inputs(70, 2, 8, 8, 1, seed=3)
+    gate = dict(use_gate_in_kernel=True, lower_bound=LOWER_BOUND, dt_bias=dt_bias)
+    o_safe, S_safe = fn(q, k, v, f, beta, output_final_state=True, safe_gate=True, A_log=A_log, **gate)
+    o, S = fn(q, k, v, f, beta, output_final_state=True, A_log=A_log, **gate)
+    assert torch.equal(o, o_safe) and torch.equal(S, S_safe)
+    o_none, _ = fn(q, k, v, f, beta, safe_gate=True, **gate)
+    o_zero, _ = fn(q, k, v, f, beta, safe_gate=True, A_log=torch.zeros(2), **gate)  # exp(0) = 1
+    assert rel_rms(o_none, o_zero) <= 1e-6
+    # and it is not Kimi-Linear's gate
+    o_plain, _ = fn(q, k, v, f, beta, use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
+    assert rel_rms(o_plain, o) > 1e-2
+
+
+def test_kda_gate_safe_gate_is_bounded_fp32_and_the_formula():
+    f = torch.randn(2, 5, 3, 4, dtype=torch.bfloat16) * 4
+    f[0, 0, 0] = torch.tensor([1e4, -1e4, 0.0, 88.0])
+    A_log, dt_bias = torch.tensor([0.0, 1.0, -1.0]), torch.randn(12)
+    g = kda_mod.kda_gate(f, A_log, dt_bias, lower_bound=LOWER_BOUND)
+    assert g.dtype == torch.float32 and torch.isfinite(g).all()
+    assert (g >= LOWER_BOUND).all() and (g <= 0).all()
+    assert torch.allclose(g.double(), safe_gate_fp64(f, A_log, dt_bias, LOWER_BOUND), rtol=1e-6, atol=1e-6)
+    assert torch.allclose(kda_mod.kda_gate(f, None, dt_bias, -2.0).double(), safe_gate_fp64(f, None, dt_bias, -2.0))
+    with pytest.raises(ValueError, match="A_log"):
+        kda_mod.kda_gate(f)  # Kimi-Linear's gate needs A_log

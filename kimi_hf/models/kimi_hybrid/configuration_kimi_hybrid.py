@@ -356,6 +356,10 @@ class KimiHybridTextConfig(PreTrainedConfig):
                             raise ValueError(
                                 f"linear_attn_config.{key} lists layer {layer}, outside 1..{self.num_hidden_layers}"
                             )
+                        if types[layer - 1] is not None:
+                            raise ValueError(
+                                f"linear_attn_config: layer {layer} is in both kda_layers and full_attn_layers"
+                            )
                         types[layer - 1] = name
                 if None in types:
                     raise ValueError(

@@ -46,6 +46,8 @@ from transformers.core_model_loading import (
 
 
 REGISTERED_CLASS = "KimiHybridTextModel"
+# only the root class: a nested KimiK3Model with its own registration would apply the transforms twice
+K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration",)
 
 
 class _NoReverse(WeightRenaming):
@@ -98,6 +100,101 @@ class Flatten(ConversionOps):
         raise NotImplementedError("Flatten is load-only: the reverse needs the source shape")
 
 
+class FitALog(ConversionOps):
+    """A_log to the model's [H]: Moonshot's Kimi Linear [1, 1, H, 1] is reshaped; Kimi K3's release stores
+    [head_dim] with the H heads first and zeros after (K3: 96 of 128), which is narrowed to H. Padding that is
+    not zero is refused by name (it would be heads the model does not have)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        if len(input_dict) != 1:
+            raise ValueError(f"FitALog takes one tensor, got {list(input_dict)}")
+        tensors = next(iter(input_dict.values()))
+        stored = tensors[0] if isinstance(tensors, list) else tensors
+        tensor = stored.reshape(-1)
+        heads = head_dim = None
+        if model is not None and full_layer_name is not None:
+            try:
+                heads = model.get_parameter(full_layer_name).shape[0]
+            except AttributeError:
+                heads = None
+            head_dim = getattr(model.config.get_text_config(), "linear_head_dim", None)
+        # only K3's layout (1-D, head_dim long) is padded; another count of heads stays a size mismatch, by name
+        if heads is not None and stored.ndim == 1 and tensor.numel() == head_dim and head_dim > heads:
+            if tensor[heads:].count_nonzero():
+                raise ValueError(
+                    f"{full_layer_name}: the checkpoint's A_log has {tensor.numel()} entries and the model {heads} "
+                    "heads, but entries beyond the heads are not zero padding"
+                )
+            tensor = tensor[:heads].clone()
+        return {target_patterns[0]: tensor}
+
+    @property
+    def reverse_op(self):
+        raise NotImplementedError("FitALog is load-only")
+
+
+def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' loader casts every checkpoint tensor to its target parameter's dtype before the conversion
+    ops run; uint8 values survive any float cast exactly (0..255 are exact even in bf16), so they are cast back."""
+    if t.dtype == torch.uint8 or not t.is_floating_point():
+        return t
+    back = t.to(torch.uint8)
+    if not torch.equal(back.to(t.dtype), t):
+        raise ValueError(f"{name}: MXFP4 tensors must hold uint8 values, got non-byte {t.dtype} values")
+    return back
+
+
+class DequantizeMxfp4(ConversionOps):
+    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's dtype, losslessly:
+    each `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale` [out, in/32] becomes one [out, in] tensor
+    (per expert, stacked: [E, out, in]), kept under the packed tensor's source pattern so that the next ops
+    (MergeModulelist, Concatenate) see one tensor per w1 / w3 / w2, in the source patterns' order."""
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16):
+        self.dtype = dtype
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        from .mxfp4_kimi_hybrid import dequantize_mxfp4
+
+        dtype = self.dtype
+        if model is not None and full_layer_name is not None:
+            try:
+                dtype = model.get_parameter(full_layer_name).dtype
+            except AttributeError:
+                pass
+        out = {}
+        for pattern in source_patterns:
+            if not pattern.endswith("weight_packed"):
+                continue
+            packed = input_dict.pop(pattern)
+            scales = input_dict.pop(pattern.replace("weight_packed", "weight_scale"), None)
+            packed = packed if isinstance(packed, list) else [packed]
+            if scales is None:
+                raise ValueError(f"{full_layer_name}: {pattern} has no weight_scale beside it")
+            scales = scales if isinstance(scales, list) else [scales]
+            if len(scales) != len(packed):
+                raise ValueError(
+                    f"{full_layer_name}: {len(packed)} {pattern} tensors but {len(scales)} weight_scale tensors"
+                )
+            name = f"{full_layer_name} ({pattern})"
+            packed, scales = [_as_bytes(t, name) for t in packed], [_as_bytes(t, name) for t in scales]
+            first = dequantize_mxfp4(packed[0], scales[0], dtype=dtype, name=name)
+            stacked = torch.empty(len(packed), *first.shape, dtype=dtype, device=first.device)
+            stacked[0] = first
+            for e in range(1, len(packed)):
+                stacked[e] = dequantize_mxfp4(packed[e], scales[e], dtype=dtype, name=f"{name}[{e}]")
+            out[pattern] = stacked
+        if input_dict:
+            raise ValueError(f"{full_layer_name}: unexpected tensors beside the MXFP4 experts: {list(input_dict)}")
+        return out
+
+    @property
+    def reverse_op(self):
+        raise NotImplementedError("DequantizeMxfp4 is load-only (save_pretrained of a K3 model re-packs)")
+
+
 def kimi_linear_mapping() -> list:
     """The transforms, in transformers' order: every renaming first, then at most one converter per key."""
     return [
@@ -106,7 +203,7 @@ def kimi_linear_mapping() -> list:
         # Moonshot's MoE block (and the dense layer 0, in transformers' save_pretrained spelling)
         LoadOnlyRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
         LoadOnlyConverter(
-            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[Flatten()]
+            source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[FitALog()]
         ),
         # transformers' in-memory layout stacks the three short convolutions
         LoadOnlyConverter(
@@ -128,9 +225,96 @@ def kimi_linear_mapping() -> list:
     ]
 
 
+def k3_mapping() -> list:
+    """Kimi K3's released layout -> KimiK3ForConditionalGeneration (K3.md-style names on the left):
+
+        language_model.model.*            -> model.language_model.*       language_model.lm_head.* -> lm_head.*
+        vision_tower.* / mm_projector.*   -> model.vision_tower.* (renames of k3_vision_key_mapping) / model.mm_projector.*
+        *.self_attention_res_{norm,proj}  -> *.attn_res.{key_norm.weight, query}  ([1, d] proj -> [d] query)
+        *.mlp_res_{norm,proj}             -> *.mlp_res.*;   output_attn_res_* -> final_res.*
+        block_sparse_moe.experts.{e}.w1/w3/w2 (.weight_packed + .weight_scale MXFP4, or bf16 .weight)
+                                          -> mlp.experts.gate_up_proj [E, 2I, latent] / down_proj [E, latent, I]
+        self_attn.A_log [head_dim], zero-padded -> [H]
+    plus Kimi Linear's other transforms (block_sparse_moe -> mlp)."""
+    from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
+
+    vision = [
+        LoadOnlyRenaming(
+            source_patterns=r"^vision_tower\." + src.removeprefix("^"), target_patterns="model.vision_tower." + tgt
+        )
+        for src, tgt in k3_vision_key_mapping()
+    ]
+    res = []
+    for released, ours in (
+        ("self_attention_res", "attn_res"),
+        ("mlp_res", "mlp_res"),
+        ("output_attn_res", "final_res"),
+    ):
+        res.append(
+            LoadOnlyRenaming(
+                source_patterns=rf"\.{released}_norm\.weight$", target_patterns=f".{ours}.key_norm.weight"
+            )
+        )
+        res.append(LoadOnlyRenaming(source_patterns=rf"\.{released}_proj\.weight$", target_patterns=f".{ours}.query"))
+    linear = kimi_linear_mapping()
+    renames = [t for t in linear if isinstance(t, WeightRenaming)]
+    converters = [t for t in linear if not isinstance(t, WeightRenaming)]
+    mxfp4 = [
+        LoadOnlyConverter(
+            source_patterns=[
+                "mlp.experts.*.w1.weight_packed",
+                "mlp.experts.*.w1.weight_scale",
+                "mlp.experts.*.w3.weight_packed",
+                "mlp.experts.*.w3.weight_scale",
+            ],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[DequantizeMxfp4(), MergeModulelist(dim=0), Concatenate(dim=1)],
+        ),
+        LoadOnlyConverter(
+            source_patterns=["mlp.experts.*.w2.weight_packed", "mlp.experts.*.w2.weight_scale"],
+            target_patterns="mlp.experts.down_proj",
+            operations=[DequantizeMxfp4(), MergeModulelist(dim=0)],
+        ),
+    ]
+    query = [
+        LoadOnlyConverter(source_patterns=rf"{ours}\.query", target_patterns=f"{ours}.query", operations=[Flatten()])
+        for ours in ("attn_res", "mlp_res", "final_res")
+    ]
+    return [
+        *vision,
+        LoadOnlyRenaming(source_patterns=r"^vision_tower\.", target_patterns="model.vision_tower."),
+        LoadOnlyRenaming(source_patterns=r"^mm_projector\.", target_patterns="model.mm_projector."),
+        LoadOnlyRenaming(source_patterns=r"^language_model\.model\.", target_patterns="model.language_model."),
+        LoadOnlyRenaming(source_patterns=r"^language_model\.lm_head\.", target_patterns="lm_head."),
+        *res,
+        *renames,
+        *query,
+        *mxfp4,
+        *converters,
+    ]
+
+
 def register() -> None:
-    """Registers the mapping with transformers (idempotent: a second call replaces it with an equal one)."""
+    """Registers the mappings with transformers (idempotent: a second call replaces them with equal ones)."""
     register_checkpoint_conversion_mapping(REGISTERED_CLASS, kimi_linear_mapping(), overwrite=True)
 
 
-__all__ = ["REGISTERED_CLASS", "Flatten", "LoadOnlyConverter", "LoadOnlyRenaming", "kimi_linear_mapping", "register"]
+def register_k3() -> None:
+    """Registers K3's mapping for its multimodal classes (called by modeling_kimi_k3 at import)."""
+    for name in K3_REGISTERED_CLASSES:
+        register_checkpoint_conversion_mapping(name, k3_mapping(), overwrite=True)
+
+
+__all__ = [
+    "REGISTERED_CLASS",
+    "K3_REGISTERED_CLASSES",
+    "DequantizeMxfp4",
+    "FitALog",
+    "Flatten",
+    "LoadOnlyConverter",
+    "LoadOnlyRenaming",
+    "k3_mapping",
+    "kimi_linear_mapping",
+    "register",
+    "register_k3",
+]

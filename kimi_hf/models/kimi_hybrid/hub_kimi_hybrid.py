@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import threading
 
@@ -41,6 +42,19 @@ AUTO_MAPS = {
         "AutoModelForImageTextToText": "modeling_kimi_hybrid_multimodal.KimiHybridForConditionalGeneration",
         "AutoImageProcessor": "image_processing_kimi_hybrid.KimiHybridImageProcessor",
         "AutoProcessor": "processing_kimi_hybrid.KimiHybridProcessor",
+    },
+    # Kimi K3 as released (model_type "kimi_k3"); its sub-configs' classes for AutoConfig of saved sub-folders
+    "kimi_k3_text": {
+        "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
+        "AutoModel": "modeling_kimi_k3.KimiK3TextModel",
+    },
+    "kimi_k3_vision": {
+        "AutoConfig": "configuration_kimi_hybrid_vision.KimiK3VisionConfig",
+    },
+    "kimi_k3": {
+        "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+        "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
     },
 }
 # processor classes: saved beside the config in their own files, not in config.json's auto_map
@@ -221,9 +235,34 @@ def upload(
     )
 
 
+def conversion_error_messages(conversion_errors: dict) -> list[str]:
+    """transformers' loader keeps each failed checkpoint conversion as `{target: traceback}`; the messages of the
+    exceptions our conversion ops raise (each naming the tensor) are the lines after the traceback."""
+    messages = []
+    for target, text in conversion_errors.items():
+        lines = [line for line in str(text).splitlines() if line.strip()]
+        found = [m.group(1) for line in lines if (m := re.match(r"^[\w.]+(?:Error|Exception): (.*)", line))]
+        message = found[-1] if found else (lines[-1] if lines else str(text))
+        messages.append(message if target in message else f"{target}: {message}")
+    return messages
+
+
 class RemoteCodeMixin:
     """save_pretrained and push_to_hub also write the auto_map, the code and our model card
     (transformers' own push would replace the card with an empty template: we upload ourselves)."""
+
+    @staticmethod
+    def _finalize_model_loading(model, load_config, loading_info):
+        """transformers raises a generic RuntimeError ("see the CONVERSION entries of the report") when a checkpoint
+        conversion fails; a bad tensor of a Kimi checkpoint gets a ValueError naming it instead."""
+        from transformers.modeling_utils import PreTrainedModel  # here: the atomic-write helpers stay import-light
+
+        try:
+            return PreTrainedModel._finalize_model_loading(model, load_config, loading_info)
+        except RuntimeError:
+            if not getattr(loading_info, "conversion_errors", None):
+                raise
+            raise ValueError("; ".join(conversion_error_messages(loading_info.conversion_errors))) from None
 
     def save_pretrained(self, save_directory, *args, push_to_hub: bool = False, **kwargs):
         hub = {

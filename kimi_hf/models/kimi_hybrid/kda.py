@@ -91,22 +91,26 @@ def _run(
     cu_seqlens,
     use_qk_l2norm,
     use_gate_in_kernel,
+    lower_bound,
     A_log,
     dt_bias,
     use_beta_sigmoid_in_kernel,
 ):
     """Calls an implementation; the gate activation and sigmoid(beta) are fused into the Triton
-    kernels and applied here, in fp32 and differentiably, for the others."""
+    kernels and applied here, in fp32 and differentiably, for the others. lower_bound (checked: None
+    unless use_gate_in_kernel) selects the bounded K3 gate over Kimi-Linear's."""
     kw = dict(cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm)
+    lower_bound = None if lower_bound is None else float(lower_bound)
     if fused:
         kw.update(
             A_log=A_log if use_gate_in_kernel else None,
             dt_bias=dt_bias if use_gate_in_kernel else None,
+            lower_bound=lower_bound,
             use_beta_sigmoid=use_beta_sigmoid_in_kernel,
         )
     else:
         if use_gate_in_kernel:
-            g = kda_gate(g, A_log, None if dt_bias is None else dt_bias.reshape(-1))
+            g = kda_gate(g, A_log, None if dt_bias is None else dt_bias.reshape(-1), lower_bound=lower_bound)
         if use_beta_sigmoid_in_kernel:
             beta = torch.sigmoid(beta.to(_compute_dtype(q)))
     # autocast would turn the fp32 gate / state arithmetic's matmuls into bf16 halfway: the op picks its
@@ -130,6 +134,8 @@ def chunk_kda(
     use_qk_l2norm=False,
     backend=None,
     use_gate_in_kernel=False,
+    safe_gate=False,
+    lower_bound=None,
     A_log=None,
     dt_bias=None,
     use_beta_sigmoid_in_kernel=False,
@@ -149,12 +155,27 @@ def chunk_kda(
         backend: None (by device: CUDA -> "triton", else "torch"), "torch", "reference" or "triton".
         use_gate_in_kernel: g is the raw forget input f; the decay -exp(A_log) * softplus(f + dt_bias)
             is computed inside (A_log [H], dt_bias [H * K] or None). fla's argument names.
+        safe_gate: Kimi K3's bounded gate (fla's `safe_gate`): with use_gate_in_kernel=True and a lower_bound,
+            the decay is g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) in [lower_bound, 0], in fp32
+            (A_log may be None: then exp(A_log) = 1). Requires use_gate_in_kernel=True and lower_bound.
+        lower_bound: the bound (a finite number < 0; K3 uses -5.0). As in fla, it is what selects the bounded
+            gate: lower_bound without safe_gate gives the same gate; use_gate_in_kernel=True is required.
+            (fla's chunk kernel also restricts it to [-5, 0) for its bounded fast path; ours take any bound.)
         use_beta_sigmoid_in_kernel: beta holds logits; sigmoid(beta) is computed inside.
     Returns:
         o [B, T, H, V] in q's dtype, and the final state [N, H, K, V] float32 (or None).
     """
     scale, _ = _check_inputs(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        cu_seqlens,
+        backend,
+        (use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound),
     )
     impl = _select(backend, q, v, _triton_chunk_kda, _chunk_torch)
     return _run(
@@ -171,6 +192,7 @@ def chunk_kda(
         cu_seqlens,
         use_qk_l2norm,
         use_gate_in_kernel,
+        lower_bound,
         A_log,
         dt_bias,
         use_beta_sigmoid_in_kernel,
@@ -191,6 +213,8 @@ def recurrent_kda(
     use_qk_l2norm=False,
     backend=None,
     use_gate_in_kernel=False,
+    safe_gate=False,
+    lower_bound=None,
     A_log=None,
     dt_bias=None,
     use_beta_sigmoid_in_kernel=False,
@@ -198,7 +222,16 @@ def recurrent_kda(
     """Kimi Delta Attention by the token loop: the decode path (one or a few tokens per call,
     state in and out). Same arguments and results as `chunk_kda`."""
     scale, _ = _check_inputs(
-        q, k, v, g, beta, scale, initial_state, cu_seqlens, backend, (use_gate_in_kernel, A_log, dt_bias)
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        cu_seqlens,
+        backend,
+        (use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound),
     )
     impl = _select(backend, q, v, _triton_recurrent_kda, _recurrent_torch)
     if (
@@ -221,6 +254,7 @@ def recurrent_kda(
         cu_seqlens,
         use_qk_l2norm,
         use_gate_in_kernel,
+        lower_bound,
         A_log,
         dt_bias,
         use_beta_sigmoid_in_kernel,

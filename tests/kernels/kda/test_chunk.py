@@ -14,7 +14,7 @@ import torch
 
 from kimi_hf.ops import chunk_kda
 
-from ...ops.test_kda import make_inputs, rel_rms, run_with_grads
+from ...ops.test_kda import LOWER_BOUND, _safe_gate_inputs, make_inputs, rel_rms, run_with_grads
 
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -99,3 +99,50 @@ def test_fused_gate_beta_sigmoid_and_l2norm():
 def test_fp16_inputs_keep_fp32_state():
     inputs = [x.half() for x in make_inputs(1, 40, 1, 16, 16, seed=2)]
     _compare(inputs, torch.randn(1, 1, 16, 16), tol_o=2e-3, tol_grad=1e-2)
+
+
+@pytest.mark.parametrize(
+    "dtype,with_A_log,packed,tol_o,tol_grad",
+    [(torch.float32, True, True, 1e-4, 1e-4), (torch.float16, False, False, 2e-3, 1e-2)],
+)
+def test_safe_gate_fused_forward_and_backward(dtype, with_A_log, packed, tol_o, tol_grad):
+    """Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) fused into the kernels
+    (forward and backward, A_log optional), with sigmoid(beta) and the L2 norm and initial states, some
+    channels saturating at g = lower_bound and g = 0: against the PyTorch path on the same inputs, the
+    gradients of A_log and dt_bias included. Packed: two chunks (A_log's gradient is summed over chunks)
+    and an empty sequence. (Chunk boundaries inside a sequence do not involve the gate: the tests above
+    cover them.)"""
+    cu = torch.tensor([0, 24, 24, 40]) if packed else None
+    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(40, 2, 16, 16, 3 if packed else 1, seed=13)
+    q, k, v, f, beta = (x.to(dtype) for x in (q, k, v, f, beta))
+    params = [dt_bias] + ([A_log] if with_A_log else [])
+
+    def run(backend):
+        xs = [x.clone().requires_grad_() for x in (q, k, v, f, beta, h0, *params)]
+        o, S = chunk_kda(
+            *xs[:5],
+            initial_state=xs[5],
+            output_final_state=True,
+            cu_seqlens=cu,
+            use_qk_l2norm=True,
+            use_gate_in_kernel=True,
+            safe_gate=True,
+            lower_bound=LOWER_BOUND,
+            dt_bias=xs[6],
+            A_log=xs[7] if with_A_log else None,
+            use_beta_sigmoid_in_kernel=True,
+            backend=backend,
+        )
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+        ((o.float() * w).sum() + S.sum()).backward()  # S.sum(): autograd hands over a stride-0 dS
+        return o, S, [x.grad for x in xs]
+
+    o, S, grads = run("triton")
+    o_ref, S_ref, grads_ref = run("torch")
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert rel_rms(o.float(), o_ref.float()) <= tol_o and rel_rms(S, S_ref) <= tol_o
+    if packed:
+        assert torch.equal(S[1], h0[1])  # the empty sequence
+    for name, gr, gr_ref in zip(["q", "k", "v", "f", "beta", "h0", "dt_bias", "A_log"], grads, grads_ref):
+        assert gr.dtype == gr_ref.dtype and torch.isfinite(gr).all(), name
+        assert rel_rms(gr.float(), gr_ref.float()) <= tol_grad, (name, rel_rms(gr.float(), gr_ref.float()))

@@ -9,7 +9,7 @@ import torch
 
 from kimi_hf.ops import recurrent_kda
 
-from ...ops.test_kda import make_inputs, rel_rms
+from ...ops.test_kda import LOWER_BOUND, _safe_gate_inputs, make_inputs, rel_rms
 
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -74,3 +74,31 @@ def test_fused_gate_and_beta_sigmoid():
         o, S = recurrent_kda(q, k, v, f, beta, backend="triton", **kw)
         o_ref, S_ref = recurrent_kda(q, k, v, f, beta, backend="reference", **kw)
     assert rel_rms(o, o_ref) <= 1e-5 and rel_rms(S, S_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype,with_A_log", [(torch.float32, True), (torch.float32, False), (torch.float16, True)])
+def test_safe_gate_fused(dtype, with_A_log):
+    """Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) inside the kernel (A_log
+    optional), packed decode steps with initial states, against the PyTorch path."""
+    cu = torch.tensor([0, 1, 1, 5])
+    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(5, 2, 16, 16, 3, seed=7)
+    q, k, v, f, beta = (x.to(dtype) for x in (q, k, v, f, beta))
+    kw = dict(
+        initial_state=h0,
+        output_final_state=True,
+        cu_seqlens=cu,
+        use_qk_l2norm=True,
+        use_gate_in_kernel=True,
+        safe_gate=True,
+        lower_bound=LOWER_BOUND,
+        A_log=A_log if with_A_log else None,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True,
+    )
+    with torch.no_grad():
+        o, S = recurrent_kda(q, k, v, f, beta, backend="triton", **kw)
+        o_ref, S_ref = recurrent_kda(q, k, v, f, beta, backend="torch", **kw)
+    assert o.dtype == dtype and S.dtype == torch.float32
+    assert rel_rms(o.float(), o_ref.float()) <= (2e-3 if dtype == torch.float16 else 1e-5)
+    assert rel_rms(S, S_ref) <= 1e-5
+    assert torch.equal(S[1], h0[1])  # the empty sequence

@@ -1,0 +1,161 @@
+"""Kimi K3 (`moonshotai/Kimi-K3`) as transformers classes: the hybrid model's layers with K3's options
+(configuration_kimi_k3.py), loading Moonshot's released folders directly.
+
+`KimiK3ForConditionalGeneration.from_pretrained(k3_dir)` reads the released layout through transformers'
+checkpoint conversion mapping (conversion_mapping_kimi_hybrid.k3_mapping): the `language_model.` /
+`vision_tower.` / `mm_projector.` prefixes, K3's Attention Residual names, per-expert MXFP4 `w1/w2/w3`
+dequantised (losslessly) and stacked while each shard loads, `A_log` [head_dim] narrowed to its heads.
+`save_pretrained` writes that layout back (`k3_state_dict`): official names and shapes, the release's dtypes for
+the router weight, experts re-packed as MXFP4 or written as plain `.weight` tensors (the config then says so).
+"""
+
+import contextlib
+import re
+
+import torch
+
+from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
+from .conversion_mapping_kimi_hybrid import register_k3 as _register_k3_conversion_mapping
+from .modeling_kimi_hybrid import KimiHybridTextModel
+from .modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel
+from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
+from .mxfp4_kimi_hybrid import quantize_mxfp4
+
+
+_register_k3_conversion_mapping()
+
+
+class KimiK3TextModel(KimiHybridTextModel):
+    """K3's text backbone (`language_model.model` in the release): KimiHybridTextModel with K3's options."""
+
+    config: KimiK3TextConfig
+    config_class = KimiK3TextConfig
+
+
+class KimiK3Model(KimiHybridModel):
+    """Vision tower (MoonViT3d), patchmergerv2 projector and the K3 text backbone, image features written at the
+    `media_placeholder_token_id` positions."""
+
+    config: KimiK3Config
+    config_class = KimiK3Config
+    text_model_class = KimiK3TextModel
+
+
+def _inverse_vision_renames() -> list[tuple[re.Pattern, str]]:
+    """k3_vision_key_mapping's (released regex -> our name) pairs turned around: (our-name regex, released name)."""
+    pairs = []
+    for src, tgt in k3_vision_key_mapping():
+        released = src.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
+        ours = "^" + re.escape(tgt).replace(re.escape(r"\1"), r"(\d+)")
+        pairs.append((re.compile(ours), released))
+    return pairs
+
+
+_RES_NAMES = (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res"), ("final_res", "output_attn_res"))
+
+
+def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str = "mxfp4") -> dict[str, torch.Tensor]:
+    """The model's tensors under Kimi K3's released names and shapes (the inverse of the load-time conversion):
+    `language_model.model.*` / `language_model.lm_head.weight` / `vision_tower.*` / `mm_projector.*`, MoE blocks as
+    `block_sparse_moe` with per-expert `w1` (gate), `w3` (up), `w2` (down), Attention Residual pairs as
+    `*_res_norm.weight` [d] and `*_res_proj.weight` [1, d], `A_log` zero-padded to [head_dim].
+    experts_format "mxfp4": `weight_packed` / `weight_scale` (round to nearest E2M1 where a weight is not on the
+    grid; lossless for weights loaded from MXFP4), "bf16": `.weight` in the model's dtype."""
+    if experts_format not in ("mxfp4", "bf16"):
+        raise ValueError(f"experts_format must be 'mxfp4' or 'bf16', got {experts_format!r}")
+    text = model.config.text_config
+    vision_renames = _inverse_vision_renames()
+    out = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach()
+        if name.startswith("lm_head."):
+            out["language_model." + name] = tensor
+            continue
+        if name.startswith("model.mm_projector."):
+            out[name.removeprefix("model.")] = tensor
+            continue
+        if name.startswith("model.vision_tower."):
+            rest = name.removeprefix("model.vision_tower.")
+            for pattern, released in vision_renames:
+                if pattern.match(rest):
+                    rest = pattern.sub(released, rest, count=1)
+                    break
+            out["vision_tower." + rest] = tensor
+            continue
+        rest = name.removeprefix("model.language_model.")
+        if rest == name:
+            raise ValueError(f"k3_state_dict: unexpected tensor {name}")
+        for ours, released in _RES_NAMES:
+            for suffix, new, shape in (
+                (f"{ours}.key_norm.weight", f"{released}_norm.weight", None),
+                (f"{ours}.query", f"{released}_proj.weight", (1, -1)),
+            ):
+                if rest.endswith(suffix):
+                    rest = rest[: -len(suffix)] + new
+                    tensor = tensor.reshape(shape) if shape else tensor
+        m = re.match(r"layers\.(\d+)\.", rest)
+        if m and text.mlp_layer_types[int(m.group(1))] == "sparse":
+            rest = rest.replace(".mlp.", ".block_sparse_moe.", 1)
+        if rest.endswith("self_attn.A_log"):
+            padded = tensor.new_zeros(max(text.linear_head_dim, tensor.numel()))
+            padded[: tensor.numel()] = tensor  # the release stores [head_dim], heads first, zeros after
+            tensor = padded
+        if rest.endswith("block_sparse_moe.gate.weight"):
+            tensor = tensor.to(model.dtype)  # kept fp32 in memory, stored in the model's dtype as released
+        prefix = "language_model.model."
+        if rest.endswith(".experts.gate_up_proj") or rest.endswith(".experts.down_proj"):
+            base = prefix + rest.rsplit(".", 1)[0]
+            parts = (
+                {"w1": tensor[:, : tensor.shape[1] // 2], "w3": tensor[:, tensor.shape[1] // 2 :]}
+                if rest.endswith("gate_up_proj")
+                else {"w2": tensor}
+            )
+            for w, stacked in parts.items():
+                for e in range(stacked.shape[0]):
+                    key = f"{base}.{e}.{w}"
+                    if experts_format == "mxfp4":
+                        packed, scale = quantize_mxfp4(stacked[e], name=key, exact=False)
+                        out[key + ".weight_packed"], out[key + ".weight_scale"] = packed, scale
+                    else:
+                        out[key + ".weight"] = stacked[e].contiguous()
+            continue
+        out[prefix + rest] = tensor
+    return out
+
+
+class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
+    """Kimi K3 with its language-model head (untied, `language_model.lm_head` in the release)."""
+
+    config: KimiK3Config
+    config_class = KimiK3Config
+    model_class = KimiK3Model
+
+    def save_pretrained(self, save_directory, *args, experts_format: str | None = None, **kwargs):
+        """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names.
+        experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released), "bf16" (plain `.weight`
+        tensors; the saved text_config then has no quantization_config), or None: as loaded (MXFP4 when the
+        config says so)."""
+        if kwargs.get("state_dict") is not None:
+            raise ValueError("save_pretrained of a K3 model writes its own state dict (k3_state_dict): state_dict")
+        text = self.config.text_config
+        if experts_format is None:
+            experts_format = "mxfp4" if experts_are_mxfp4(text) else "bf16"
+        state = k3_state_dict(self, experts_format)
+        with _experts_quantization(text, K3_MXFP4_QUANTIZATION_CONFIG if experts_format == "mxfp4" else None):
+            return super().save_pretrained(
+                save_directory, *args, state_dict=state, save_original_format=False, **kwargs
+            )
+
+
+@contextlib.contextmanager
+def _experts_quantization(text_config, value):
+    """The text config says how the experts are stored while it is written, then what it said before."""
+    before = text_config.experts_quantization_config
+    text_config.experts_quantization_config = value
+    try:
+        yield
+    finally:
+        text_config.experts_quantization_config = before
+
+
+__all__ = ["KimiK3TextModel", "KimiK3Model", "KimiK3ForConditionalGeneration", "k3_state_dict"]

@@ -47,3 +47,15 @@ def test_early_fusion_snippet_answers_and_stops(tmp_path, monkeypatch):
         exec(compile(snippet("## Early fusion"), "README.md", "exec"), {"path": str(tmp_path / "model")})
     out = printed.getvalue()
     assert out.endswith("\n") and out.count("\n") == 1  # the decoded reply (an untrained model's words)
+
+
+def test_k3_snippet_loads_a_released_layout_folder_and_saves_it_back(tmp_path):
+    from .models.kimi_k3.release_format import tiny_k3_config, write_k3_checkpoint
+
+    write_k3_checkpoint(tmp_path / "k3", tiny_k3_config(), seed=0)
+    scope = {"k3_dir": str(tmp_path / "k3"), "out_dir": str(tmp_path / "out")}
+    exec(compile(snippet("## Kimi K3"), "README.md", "exec"), scope)
+    assert scope["cfg"].model_type == "kimi_k3"
+    assert type(scope["model"]).__name__ == type(scope["text"]).__name__ == "KimiK3ForConditionalGeneration"
+    saved = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".safetensors")
+    assert saved and (tmp_path / "out" / "config.json").exists()

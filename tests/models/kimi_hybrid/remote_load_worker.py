@@ -23,6 +23,9 @@ def main():
             assert torch.equal(inputs["input_ids"], want["input_ids"])
             autos = (AutoModelForImageTextToText, AutoModelForCausalLM)
             assert type(AutoModel.from_pretrained(source, trust_remote_code=True)).__name__ == "KimiHybridModel"
+        elif want["kind"] == "k3":  # Kimi K3 in its released layout, saved by KimiK3ForConditionalGeneration
+            inputs = {"input_ids": want["input_ids"]}
+            autos = (AutoModelForImageTextToText, AutoModelForCausalLM)
         else:
             inputs = {"input_ids": want["input_ids"]}
             autos = (AutoModelForCausalLM,)

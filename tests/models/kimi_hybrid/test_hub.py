@@ -57,6 +57,22 @@ def save_text(path):
     )
 
 
+def save_k3(path, source):
+    """A tiny Kimi K3 folder in the released layout (MXFP4 experts), loaded and saved again by our class."""
+    from kimi_hf import KimiK3ForConditionalGeneration
+
+    from ..kimi_k3.release_format import tiny_k3_config, write_k3_checkpoint
+
+    write_k3_checkpoint(source, tiny_k3_config(), seed=3, dtype="float32")
+    model = KimiK3ForConditionalGeneration.from_pretrained(source).eval()
+    model.save_pretrained(path)
+    ids = torch.tensor([[1, 5, 9, 14, 3]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    generated = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    return dict(kind="k3", input_ids=ids, logits=logits, generated=generated)
+
+
 def offline_cache(cache, repo_id, folder):
     """The Hugging Face cache layout of a downloaded repo: models--org--name/{refs/main, snapshots/<commit>/...}."""
     commit = "0123456789abcdef0123456789abcdef01234567"
@@ -67,8 +83,11 @@ def offline_cache(cache, repo_id, folder):
 
 
 def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
-    mm, text = tmp_path / "mm", tmp_path / "text"
-    expected = {str(mm): save_multimodal(mm), str(text): save_text(text)}
+    mm, text, k3 = tmp_path / "mm", tmp_path / "text", tmp_path / "k3"
+    expected = {str(mm): save_multimodal(mm), str(text): save_text(text), str(k3): save_k3(k3, tmp_path / "k3_src")}
+    assert (
+        json.loads((k3 / "config.json").read_text())["auto_map"]["AutoConfig"] == "configuration_kimi_k3.KimiK3Config"
+    )
     config = json.loads((mm / "config.json").read_text())
     assert (
         config["auto_map"]["AutoModelForImageTextToText"]
@@ -82,7 +101,7 @@ def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
     env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(cache), HF_MODULES_CACHE=str(tmp_path / "modules"))
     env.pop("PYTHONPATH", None)
     out = subprocess.run(
-        [sys.executable, str(WORKER), str(tmp_path / "expected.pt"), str(mm), str(text), "local/tiny-kimi"],
+        [sys.executable, str(WORKER), str(tmp_path / "expected.pt"), str(mm), str(text), str(k3), "local/tiny-kimi"],
         capture_output=True,
         text=True,
         timeout=600,
@@ -90,7 +109,7 @@ def test_remote_code_loads_without_kimi_hf_and_by_repo_id_offline(tmp_path):
         cwd=tmp_path,
     )
     assert out.returncode == 0, out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 3
+    assert out.stdout.count("ok ") == 4
 
 
 def test_model_card_describes_the_model(tmp_path):

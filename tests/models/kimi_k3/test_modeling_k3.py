@@ -264,3 +264,18 @@ def test_save_with_bf16_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
     with pytest.raises(ValueError, match="experts_format"):
         model.save_pretrained(tmp_path / "x", experts_format="int4")
+
+
+def test_batched_generation_with_left_padding_equals_each_row_alone(fp32_checkpoint):
+    folder, config, _ = fp32_checkpoint
+    model, _ = load(folder, dtype=torch.float32)
+    pad = config["pad_token_id"]
+    rows = [text_ids(config, B=1, T=T, seed=10 + T)[0] for T in (5, 9)]
+    T = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.full((T - len(r),), pad), r]) for r in rows])
+    mask = (torch.arange(T)[None] >= torch.tensor([T - len(r) for r in rows])[:, None]).long()
+    kwargs = dict(max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=pad)
+    batched = model.generate(ids, attention_mask=mask, **kwargs)
+    for i, r in enumerate(rows):
+        alone = model.generate(r[None], **kwargs)
+        assert torch.equal(batched[i, -5:], alone[0, -5:]), i

@@ -16,9 +16,32 @@ import common  # noqa: E402  (benchmarks/common.py)
 from common import Timing, scaling_warning, spread_cell, spread_warning, timed  # noqa: E402
 
 
-TIMED = {"kda.py", "kda_cuda.py", "model.py", "optimizer_step.py", "muon_vs_adamw.py", "attn_res.py", "vision.py"}
+TIMED = {
+    "kda.py",
+    "kda_cuda.py",
+    "model.py",
+    "optimizer_step.py",
+    "muon_vs_adamw.py",
+    "attn_res.py",
+    "vision.py",
+    "k3.py",
+}
 
 CASES = {
+    "k3.py": [
+        "--hidden",
+        "64",
+        "--layers",
+        "4",
+        "--T",
+        "64",
+        "--repeats",
+        "1",
+        "--decode-tokens",
+        "2",
+        "--shard",
+        "1MB",
+    ],
     "kda.py": ["--T", "64", "128", "--repeats", "1", "--no-memory"],
     "kda_cuda.py": ["--smoke"],  # the CUDA section's script, on the interpreter (conftest sets TRITON_INTERPRET=1)
     "model.py": ["--T", "64", "--repeats", "1", "--decode-tokens", "2"],

@@ -169,3 +169,30 @@ def test_lora_finetune(tmp_path, capsys):
     assert res["reload_diff"] < 1e-4 and res["merge_diff"] < 1e-3
     assert res["adapter_kb"] < 2000
     assert "| + LoRA (30 steps) |" in capsys.readouterr().out
+
+
+def test_k3_from_scratch(tmp_path, capsys):
+    """A few Trainer + MuonClip steps of a K3-architecture model; saved in K3's released names, reloaded through
+    AutoModelForCausalLM with the same greedy tokens."""
+    import json
+
+    from PIL import Image
+    from safetensors import safe_open
+
+    losses, same = load("k3_from_scratch").main(
+        ["--steps", "6", "--batch", "4", "--seq", "64", "--out", str(tmp_path)]
+    )
+    assert same and losses[-1] < losses[0]
+    out = capsys.readouterr().out
+    assert f"loss plot: {tmp_path / 'k3_loss.png'}" in out
+    with Image.open(tmp_path / "k3_loss.png") as img:
+        assert img.format == "PNG"
+    config = json.loads((tmp_path / "model" / "config.json").read_text())
+    assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
+    with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert "language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight" in names
+    assert (
+        "language_model.model.layers.0.self_attention_res_proj.weight" in names
+        and "language_model.lm_head.weight" in names
+    )

@@ -60,9 +60,9 @@ def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str =
     `block_sparse_moe` with per-expert `w1` (gate), `w3` (up), `w2` (down), Attention Residual pairs as
     `*_res_norm.weight` [d] and `*_res_proj.weight` [1, d], `A_log` zero-padded to [head_dim].
     experts_format "mxfp4": `weight_packed` / `weight_scale` (round to nearest E2M1 where a weight is not on the
-    grid; lossless for weights loaded from MXFP4), "bf16": `.weight` in the model's dtype."""
-    if experts_format not in ("mxfp4", "bf16"):
-        raise ValueError(f"experts_format must be 'mxfp4' or 'bf16', got {experts_format!r}")
+    grid; lossless for weights loaded from MXFP4), "dense": `.weight` in the model's dtype (bf16 for a bf16 model)."""
+    if experts_format not in ("mxfp4", "dense"):
+        raise ValueError(f"experts_format must be 'mxfp4' or 'dense', got {experts_format!r}")
     text = model.config.text_config
     vision_renames = _inverse_vision_renames()
     out = {}
@@ -132,14 +132,14 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
 
     def save_pretrained(self, save_directory, *args, experts_format: str | None = None, **kwargs):
         """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names.
-        experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released), "bf16" (plain `.weight`
-        tensors; the saved text_config then has no quantization_config), or None: as loaded (MXFP4 when the
-        config says so)."""
+        experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released: weights off the MXFP4 grid,
+        e.g. after fine-tuning, round to nearest), "dense" (plain `.weight` tensors in the model's dtype; the saved
+        text_config then has no quantization_config), or None: as loaded (MXFP4 when the config says so)."""
         if kwargs.get("state_dict") is not None:
             raise ValueError("save_pretrained of a K3 model writes its own state dict (k3_state_dict): state_dict")
         text = self.config.text_config
         if experts_format is None:
-            experts_format = "mxfp4" if experts_are_mxfp4(text) else "bf16"
+            experts_format = "mxfp4" if experts_are_mxfp4(text) else "dense"
         state = k3_state_dict(self, experts_format)
         with _experts_quantization(text, K3_MXFP4_QUANTIZATION_CONFIG if experts_format == "mxfp4" else None):
             return super().save_pretrained(

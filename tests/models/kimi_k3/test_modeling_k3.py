@@ -249,9 +249,9 @@ def test_save_pretrained_writes_the_released_layout_and_reloads(k3_checkpoint, t
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
-def test_save_with_bf16_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
+def test_save_with_dense_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
     model, _ = load(k3_checkpoint.folder, dtype=torch.bfloat16)
-    model.save_pretrained(tmp_path, experts_format="bf16")
+    model.save_pretrained(tmp_path, experts_format="dense")
     saved = _read_all(tmp_path)
     assert not any(k.endswith(("weight_packed", "weight_scale")) for k in saved)
     assert saved["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16

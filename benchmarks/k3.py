@@ -1,0 +1,204 @@
+"""Kimi K3's architecture on CPU: what its extra parts cost, and what loading a released-layout folder takes.
+
+    python benchmarks/k3.py            # hidden 256, 8 layers: forward at T = 512, 2048; decode; load
+    python benchmarks/k3.py --quick
+
+1. Forward and decode of a small K3-architecture model (safe-gate KDA with the full-rank output gate, gated
+   MLA with q LoRA, SiTU, Stable LatentMoE, Block Attention Residuals every 4 layers) against the same model
+   with Attention Residuals and LatentMoE off (plain residual; routed experts at the full hidden width), the
+   other K3 parts unchanged. The issue's target: AttnRes + LatentMoE cost <= +10%.
+2. Loading a folder in the released layout (MXFP4 experts, written by our save_pretrained) with
+   `from_pretrained(dtype=torch.bfloat16)` in a fresh process (after a first load, so that imports are done;
+   the peak is reset between): wall time and peak RSS above the RSS before the load, against the bf16
+   model's size + its largest shard (the target).
+
+Timings print the spread of their repeats; a WARNING line says when it is too large to trust the ratios.
+Nothing else should run on the machine meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+
+sys.modules.setdefault("fla", None)
+
+import torch  # noqa: E402
+
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
+
+from kimi_hf import KimiK3Config, KimiK3ForConditionalGeneration  # noqa: E402
+
+
+def k3_config(hidden: int, layers: int, k3_parts: bool = True) -> KimiK3Config:
+    """A small K3-architecture config; k3_parts=False turns Attention Residuals and LatentMoE off."""
+    kda = [i + 1 for i in range(layers) if (i + 1) % 4 and i < layers - 1]
+    text = dict(
+        vocab_size=1024,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=hidden // 2,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        num_experts=16,
+        num_experts_per_token=4,
+        num_shared_experts=1,
+        linear_attn_config=dict(
+            num_heads=4,
+            head_dim=hidden // 4,
+            short_conv_kernel_size=4,
+            use_full_rank_gate=True,
+            gate_lower_bound=-5.0,
+            kda_layers=kda,
+            full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda],
+        ),
+        first_k_dense_replace=1,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    if k3_parts:
+        text.update(attn_res_block_size=4, routed_expert_hidden_size=hidden // 2, latent_moe_use_norm=True)
+    else:
+        text.update(attn_residual="none", routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    vision = dict(
+        vt_hidden_size=64,
+        vt_num_hidden_layers=1,
+        vt_num_attention_heads=2,
+        qkv_hidden_size=64,
+        vt_intermediate_size=128,
+        init_pos_emb_height=8,
+        init_pos_emb_width=8,
+        text_hidden_size=hidden,
+    )
+    return KimiK3Config(text_config=text, vision_config=vision, media_placeholder_token_id=3, pad_token_id=0)
+
+
+@torch.no_grad()
+def decode_step_times(model, prompt_len: int, new_tokens: int) -> Timing:
+    x = torch.randint(4, 1024, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    out = model(input_ids=x, use_cache=True)
+    cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(new_tokens):
+        t0 = time.perf_counter()
+        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+        tok = out.logits[:, -1:].argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return Timing(tuple(times))
+
+
+LOAD_CHILD = """
+import gc, json, sys, time, torch
+import kimi_hf
+from kimi_hf import KimiK3ForConditionalGeneration
+def status_mb(field):  # VmRSS (now) or VmHWM (peak since the last reset), Linux
+    for line in open("/proc/self/status"):
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+# a first load imports what loading needs (transformers loads modules lazily); then the peak is reset
+warm = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+del warm
+gc.collect()
+open("/proc/self/clear_refs", "w").write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+before = status_mb("VmRSS")
+t0 = time.perf_counter()
+model = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+seconds = time.perf_counter() - t0
+print(json.dumps(dict(seconds=seconds, before_mb=before, peak_mb=status_mb("VmHWM"))))
+"""
+
+
+def load_report(model: KimiK3ForConditionalGeneration, shard: str) -> dict:
+    """Saves `model` in the released layout (MXFP4 experts) and loads it in a fresh process."""
+    with tempfile.TemporaryDirectory() as folder:
+        model.save_pretrained(folder, experts_format="mxfp4", max_shard_size=shard)
+        files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
+        largest = max(os.path.getsize(os.path.join(folder, f)) for f in files) / 2**20
+        on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in files) / 2**20
+        out = subprocess.run([sys.executable, "-c", LOAD_CHILD, folder], capture_output=True, text=True, check=True)
+        result = json.loads(out.stdout.strip().splitlines()[-1])
+    bf16 = sum(p.numel() * 2 for p in model.parameters()) / 2**20
+    return dict(**result, bf16_mb=bf16, largest_shard_mb=largest, on_disk_mb=on_disk, shards=len(files))
+
+
+def main(argv=None):
+    p = argument_parser(__doc__)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--T", type=int, nargs="+", default=[512, 2048], help="sequence lengths of the forward")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--shard", default="20MB", help="max_shard_size of the saved folder for the load test")
+    p.add_argument("--quick", action="store_true", help="T = 512, 3 repeats, 16 decoded tokens")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.T, args.repeats, args.decode_tokens = [512], 3, 16
+    torch.set_flush_denormal(True)
+    torch.manual_seed(0)
+    k3 = KimiK3ForConditionalGeneration(k3_config(args.hidden, args.layers)).eval()
+    torch.manual_seed(0)
+    plain = KimiK3ForConditionalGeneration(k3_config(args.hidden, args.layers, k3_parts=False)).eval()
+    n = sum(p.numel() for p in k3.parameters()) / 1e6
+    n_plain = sum(p.numel() for p in plain.parameters()) / 1e6
+    print(
+        f"# K3 architecture on CPU: torch {torch.__version__}, {torch.get_num_threads()} threads, fp32, hidden "
+        f"{args.hidden}, {args.layers} layers, 16 experts top-4; {n:.1f}M params (AttnRes + LatentMoE off: "
+        f"{n_plain:.1f}M)"
+    )
+    print("# spread: interquartile range / median of the repeats, the worst of the row ('!': too noisy to compare)")
+    print("\n## forward (B=1, no cache): K3 vs AttnRes + LatentMoE off")
+    print("| T | K3 ms | off ms | spread | K3 / off |")
+    print("|---|---|---|---|---|")
+    times = {}
+    for T in args.T:
+        x = torch.randint(4, 1024, (1, T), generator=torch.Generator().manual_seed(T))
+        with torch.no_grad():
+            t_k3 = timed(lambda: k3(input_ids=x, use_cache=False), args.repeats)
+            t_off = timed(lambda: plain(input_ids=x, use_cache=False), args.repeats)
+        times.update({f"forward T={T} K3": t_k3, f"forward T={T} off": t_off})
+        print(
+            f"| {T} | {t_k3.ms:.1f} | {t_off.ms:.1f} | {spread_cell(t_k3, t_off)} | "
+            f"{t_k3.median / t_off.median:.2f}x |",
+            flush=True,
+        )
+    warn(spread_warning(times, "forward timings"))
+
+    print(f"\n## decode (greedy, B=1, prompt 128, {args.decode_tokens} tokens; spread: of the token times)")
+    print("| K3 tokens/s | off tokens/s | spread | K3 / off time |")
+    print("|---|---|---|---|")
+    t_k3 = decode_step_times(k3, 128, args.decode_tokens)
+    t_off = decode_step_times(plain, 128, args.decode_tokens)
+    print(
+        f"| {1 / t_k3.median:.0f} | {1 / t_off.median:.0f} | {spread_cell(t_k3, t_off)} | "
+        f"{t_k3.median / t_off.median:.2f}x |"
+    )
+    warn(spread_warning({"decode K3": t_k3, "decode off": t_off}, "decode timings"))
+
+    print("\n## load of the released layout (MXFP4 experts) with dtype=bfloat16, in a fresh process")
+    r = load_report(k3, args.shard)
+    budget = r["bf16_mb"] + r["largest_shard_mb"]
+    grew = r["peak_mb"] - r["before_mb"]
+    print("| on disk MB | shards | load s | peak RSS growth MB | bf16 model + largest shard MB | growth / budget |")
+    print("|---|---|---|---|---|---|")
+    print(
+        f"| {r['on_disk_mb']:.1f} | {r['shards']} | {r['seconds']:.2f} | {grew:.1f} | {budget:.1f} | "
+        f"{grew / budget:.2f} |"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -202,8 +202,11 @@ _GENERIC_FIELDS = {
 }
 
 
-def _check_moonshot_fields(kwargs: dict) -> None:
-    """Pops the Moonshot fields this model understands; ValueError naming any other architecture field."""
+def _check_moonshot_fields(kwargs: dict, strict: bool) -> None:
+    """Pops the Moonshot fields this model understands; ValueError for a value of one we implement differently.
+    strict (a config in Moonshot's format: Kimi Linear's / K3's config.json): ValueError naming any other field that
+    is not generic. Configs built in transformers' own way (keyword arguments; its tests add generic fields such as
+    `layer_norm_eps` to every config) keep transformers' behaviour: extra fields become attributes."""
     for name, allowed in _MOONSHOT_FIXED.items():
         if name in kwargs and (value := kwargs.pop(name)) not in allowed:
             raise ValueError(f"{name} = {value!r} is not supported (this model implements {list(allowed)})")
@@ -212,7 +215,7 @@ def _check_moonshot_fields(kwargs: dict) -> None:
     if kwargs.get("rope_scaling"):
         raise ValueError(f"rope_scaling = {kwargs['rope_scaling']!r}: this model's MLA uses no positional encoding")
     unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
-    if unknown:
+    if strict and unknown:
         raise ValueError(f"config fields this model does not implement: {unknown}")
 
 
@@ -333,6 +336,8 @@ class KimiHybridTextConfig(PreTrainedConfig):
             if alias in kwargs:
                 setattr(self, field, kwargs.pop(alias))
         # Moonshot's original config.json keeps the KDA settings in a sub-dict, layers 1-based
+        # Moonshot's format (Kimi Linear's / K3's config.json): checked strictly for fields we do not implement
+        moonshot = "linear_attn_config" in kwargs or kwargs.get("model_type") == "kimi_linear"
         lac = kwargs.pop("linear_attn_config", None) or {}
         self.linear_num_heads = lac.get("num_heads", self.linear_num_heads)
         self.linear_head_dim = lac.get("head_dim", self.linear_head_dim)
@@ -377,7 +382,7 @@ class KimiHybridTextConfig(PreTrainedConfig):
         kwargs.pop("qk_head_dim", None)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         kwargs.pop("model_type", None)  # a Moonshot folder says "kimi_linear": the instance keeps the class's
-        _check_moonshot_fields(kwargs)
+        _check_moonshot_fields(kwargs, strict=moonshot)
         self._validate()  # before the base class: a plain ValueError naming the field
         super().__post_init__(**kwargs)
 

@@ -110,6 +110,8 @@ class KimiK3TextConfig(KimiHybridTextConfig):
         # otherwise look for the compressed-tensors quantizer (and its package) at from_pretrained.
         self.experts_quantization_config = kwargs.pop("quantization_config", None)
         experts_are_mxfp4(self)  # refuses another scheme now, by name
+        if "attn_res_block_size" in kwargs and kwargs["attn_res_block_size"] is None:  # released null: the residual
+            self.attn_residual, self.attn_residual_block_size = "none", None
         super().__post_init__(**kwargs)
 
     def _validate(self):

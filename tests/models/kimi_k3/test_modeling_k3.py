@@ -105,9 +105,27 @@ def test_the_hybrid_config_understands_k3_fields_instead_of_dropping_them(k3_con
     assert cfg.model_type == "kimi_hybrid_text"  # not the folder's "kimi_linear"
 
 
+# with latent_moe_use_norm the latent norm cancels routed_scaling_factor and the renormalisation: those are
+# tested with the norm off; "kimi_linear_path" turns every K3 option off (softplus gate, low-rank output gate,
+# no MLA gate, plain residual, experts at the full width)
+VARIANTS = {
+    "k3": {},
+    "norm_off_scaling": dict(latent_moe_use_norm=False, routed_scaling_factor=2.5, moe_renormalize=False),
+    "kimi_linear_path": dict(
+        linear_attn_config=dict(use_full_rank_gate=False, gate_lower_bound=None),
+        mla_use_output_gate=False,
+        attn_res_block_size=None,
+        routed_expert_hidden_size=None,
+        latent_moe_use_norm=False,
+    ),
+    "no_q_lora_silu": dict(q_lora_rank=None, hidden_act="silu"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("mxfp4", [True, False])
-def test_loads_the_released_layout_and_matches_the_reference(tmp_path, mxfp4):
-    config = tiny_k3_config()
+def test_loads_the_released_layout_and_matches_the_reference(tmp_path, mxfp4, variant):
+    config = tiny_k3_config(**VARIANTS[variant])
     tensors = write_k3_checkpoint(tmp_path, config, seed=2, mxfp4=mxfp4, dtype="float32")
     model, info = load(tmp_path, dtype=torch.float32)
     assert_clean(info)
@@ -115,6 +133,24 @@ def test_loads_the_released_layout_and_matches_the_reference(tmp_path, mxfp4):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert rel_err(logits, k3_reference_logits(config, tensors, ids)) < REL
+
+
+def test_k3_with_its_options_off_is_the_hybrid_model(tmp_path):
+    """One code path: the K3 classes with every K3 option off compute what KimiHybridForCausalLM computes with the
+    same weights (the Kimi Linear model)."""
+    from kimi_hf import KimiHybridForCausalLM
+
+    config = tiny_k3_config(**VARIANTS["kimi_linear_path"])
+    write_k3_checkpoint(tmp_path, config, seed=6, dtype="float32")
+    k3, _ = load(tmp_path, dtype=torch.float32)
+    text = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
+    hybrid = KimiHybridForCausalLM(KimiHybridTextConfig(**text)).eval()
+    state = {"model." + k: v for k, v in k3.model.language_model.state_dict().items()}
+    state["lm_head.weight"] = k3.lm_head.weight
+    assert hybrid.load_state_dict(state, strict=True)
+    ids = text_ids(config)
+    with torch.no_grad():  # the same kernels; fp32 summation order may differ by an ulp between the two wrappers
+        torch.testing.assert_close(hybrid(input_ids=ids).logits, k3(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_images_at_the_placeholders_match_the_reference(fp32_checkpoint):

@@ -266,13 +266,26 @@ def _fsdp_orthogonalize(p, update, ns):
 _ADAMW_NAMES = ("A_log", "dt_bias", "e_score_correction_bias")
 
 
+def _is_expert_batch(module: nn.Module, p: torch.Tensor) -> bool:
+    """A stacked [E, out, in] parameter of an experts module (ours and transformers' MoE experts classes
+    hold `num_experts`): E matrices, each orthogonalised on its own. Other 3-D tensors are not batches
+    of matrices: conv kernels (KDA's short convs [D, 1, W]), positional tables (the ViT's [H, W, C])."""
+    if p.ndim != 3 or isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        return False
+    return isinstance(getattr(module, "num_experts", None), int) or "Expert" in type(module).__name__
+
+
 def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
     """Trainable parameters split into (Muon, AdamW) by role, not only by ndim.
 
-    Muon: weights of nn.Linear layers inside the network and stacked expert matrices ([E, out, in]
-    parameters of 3 dims). AdamW: embeddings and the output head (even when they are nn.Linear or
-    tied), norms, biases, KDA's A_log / dt_bias, convolution kernels, MoE routers (a gate, not a
-    hidden map), and anything else that is not a hidden matrix.
+    Muon: weights of nn.Linear layers inside the network (attention and KDA projections, MLA's low-rank
+    chain and output gate, FFNs, shared experts, K3's latent-MoE bridges, the vision tower's and the
+    projector's linears) and stacked routed experts ([E, out, in] of an experts module: per expert).
+    AdamW: embeddings and the output head (even when they are nn.Linear or tied), norms, biases, KDA's
+    A_log / dt_bias, convolution kernels (KDA's short convs, the ViT's patch embedding), positional
+    tables, Attention Residual pseudo-queries and their key norms, MoE routers (a gate, not a hidden map),
+    and anything else that is not a hidden matrix. Buffers (e.g. the router's e_score_correction_bias)
+    are not parameters and are in neither.
     """
     skip = set()
     for getter in ("get_input_embeddings", "get_output_embeddings"):
@@ -288,10 +301,10 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
             if not p.requires_grad or id(p) in seen:
                 continue
             seen.add(id(p))
-            hidden_linear = isinstance(module, nn.Linear) and name == "weight"
-            expert_batch = p.ndim == 3 and not isinstance(module, (nn.Conv1d, nn.Conv2d))
+            hidden_linear = isinstance(module, nn.Linear) and name == "weight" and p.ndim == 2
             router = type(module).__name__.endswith("Router") or module_name.endswith(".gate")
-            if id(p) not in skip and (hidden_linear or expert_batch) and not router and name not in _ADAMW_NAMES:
+            matrix = hidden_linear or _is_expert_batch(module, p)
+            if id(p) not in skip and matrix and not router and name not in _ADAMW_NAMES:
                 muon.append(p)
             else:
                 adamw.append(p)

@@ -49,8 +49,10 @@ def test_ddp_with_accelerate_matches_single_process(tmp_path):
     assert single.returncode == 0, single.stderr[-3000:]
     stdout = torchrun([str(script), *common, "--out", str(tmp_path / "two")], port=29561)
     a, b = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    # gloo sums the two ranks' gradients in another order than one process's backward (fp32 rounding, ~1e-8), and
+    # four Newton-Schulz orthogonalisations amplify that: observed up to 1.5e-6 on the weights
     for name in a:
-        assert torch.allclose(a[name], b[name], atol=1e-6), name
+        assert torch.allclose(a[name], b[name], atol=5e-6), name
     la = json.loads((tmp_path / "one" / "losses.json").read_text())
     lb = json.loads((tmp_path / "two" / "losses.json").read_text())
     assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5

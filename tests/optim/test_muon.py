@@ -2,6 +2,7 @@
 state_dict resume, precision."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from kimi_hf.optim import MuonClip, split_params, zeropower_via_newtonschulz5
 from kimi_hf.optim.muon import muon_scale
 
 from ..models.kimi_hybrid.helpers import tiny_config
+from ..models.kimi_k3.release_format import tiny_k3_config
 
 
 def test_newton_schulz_orthogonalises_and_batches():
@@ -106,6 +108,136 @@ def test_split_params_by_role():
         "model.layers.0.self_attn.o_norm.weight",
     ):
         assert must in adamw_names, must
+
+
+# Kimi K3's parameters (layer indices as *: KDA and MLA layers share `self_attn.o_proj` / `self_attn.g_proj`, dense
+# and MoE layers nothing else) by role: (rule, role, names). Written from the rules, not read off split_params.
+K3_ROLES = [
+    ("embeddings and the output head", "adamw", ["model.language_model.embed_tokens.weight", "lm_head.weight"]),
+    (
+        "Attention Residual pseudo-queries [d] and their key norms",
+        "adamw",
+        [
+            f"model.language_model.{m}.{t}"
+            for m in ("layers.*.attn_res", "layers.*.mlp_res", "final_res")
+            for t in ("query", "key_norm.weight")
+        ],
+    ),
+    (
+        "KDA decay parameters",
+        "adamw",
+        ["model.language_model.layers.*.self_attn.A_log", "model.language_model.layers.*.self_attn.dt_bias"],
+    ),
+    (
+        "KDA short convs [D, 1, W] (depthwise kernels, not matrices)",
+        "adamw",
+        [f"model.language_model.layers.*.self_attn.{x}_conv1d.weight" for x in "qkv"],
+    ),
+    (
+        "text norms (RMSNorms, KDA o_norm, MLA latent norms, latent-MoE norm)",
+        "adamw",
+        [
+            "model.language_model.layers.*.input_layernorm.weight",
+            "model.language_model.layers.*.post_attention_layernorm.weight",
+            "model.language_model.layers.*.self_attn.o_norm.weight",
+            "model.language_model.layers.*.self_attn.q_a_layernorm.weight",
+            "model.language_model.layers.*.self_attn.kv_a_layernorm.weight",
+            "model.language_model.layers.*.mlp.routed_expert_norm.weight",
+            "model.language_model.norm.weight",
+        ],
+    ),
+    (
+        "MoE router weight (e_score_correction_bias is a buffer)",
+        "adamw",
+        ["model.language_model.layers.*.mlp.gate.weight"],
+    ),
+    (
+        "vision tower: patch-embedding conv, position table [H, W, C], RMSNorms; projector post-norm",
+        "adamw",
+        [
+            "model.vision_tower.patch_embed.proj.weight",
+            "model.vision_tower.patch_embed.pos_emb.position_embeddings",
+            "model.vision_tower.layers.*.norm1.weight",
+            "model.vision_tower.layers.*.norm2.weight",
+            "model.vision_tower.final_layernorm.weight",
+            "model.mm_projector.post_norm.weight",
+        ],
+    ),
+    (
+        "KDA projections (q, k, v, f_a, f_b, b, full-rank g, o)",
+        "muon",
+        [
+            f"model.language_model.layers.*.self_attn.{x}.weight"
+            for x in ("q_proj", "k_proj", "v_proj", "f_a_proj", "f_b_proj", "b_proj", "g_proj", "o_proj")
+        ],
+    ),
+    (
+        "MLA with q LoRA (its g_proj / o_proj: the KDA row's names)",
+        "muon",
+        [
+            f"model.language_model.layers.*.self_attn.{x}.weight"
+            for x in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+        ],
+    ),
+    (
+        "dense MLP and shared experts",
+        "muon",
+        [f"model.language_model.layers.*.mlp.{x}.weight" for x in ("gate_proj", "up_proj", "down_proj")]
+        + [
+            f"model.language_model.layers.*.mlp.shared_experts.{x}.weight"
+            for x in ("gate_proj", "up_proj", "down_proj")
+        ],
+    ),
+    (
+        "Stable LatentMoE bridges",
+        "muon",
+        [f"model.language_model.layers.*.mlp.routed_expert_{x}_proj.weight" for x in ("down", "up")],
+    ),
+    (
+        "stacked routed experts [E, out, in] (per expert)",
+        "muon",
+        [
+            "model.language_model.layers.*.mlp.experts.gate_up_proj",
+            "model.language_model.layers.*.mlp.experts.down_proj",
+        ],
+    ),
+    (
+        "vision tower and projector linears (as for K2.5's tower)",
+        "muon",
+        [f"model.vision_tower.layers.*.{x}.weight" for x in ("attn.qkv_proj", "attn.proj", "mlp.fc1", "mlp.fc2")]
+        + ["model.mm_projector.proj.0.weight", "model.mm_projector.proj.2.weight"],
+    ),
+]
+
+
+def test_k3_parameter_roles_match_the_table():
+    from kimi_hf import KimiK3ForConditionalGeneration
+    from kimi_hf.models.kimi_hybrid.configuration_kimi_k3 import KimiK3Config
+
+    model = KimiK3ForConditionalGeneration(KimiK3Config(**tiny_k3_config()))
+    expected = {}
+    for rule, role, names in K3_ROLES:
+        for name in names:
+            assert name not in expected, f"{name} in two rows of the table"
+            expected[name] = (role, rule)
+    muon, adamw = split_params(model)
+    muon_ids, adamw_ids = {id(p) for p in muon}, {id(p) for p in adamw}
+    assert muon_ids.isdisjoint(adamw_ids)
+    seen = set()
+    for name, p in model.named_parameters():
+        key = re.sub(r"\.layers\.\d+\.", ".layers.*.", name)
+        assert key in expected, f"{name}: not in the table"
+        role = "muon" if id(p) in muon_ids else "adamw" if id(p) in adamw_ids else None
+        assert role == expected[key][0], f"{name}: {role}, expected {expected[key][0]} ({expected[key][1]})"
+        seen.add(key)
+    assert seen == expected.keys()  # every row names tensors the model has
+    assert len(muon) + len(adamw) == len(list(model.parameters()))
+    # Muon gets matrices [A, B] and stacked experts [E, A, B] only; the only 3-D ones are the experts
+    assert all(p.ndim == 2 or p.shape[0] == model.config.text_config.num_experts for p in muon)
+    opt = MuonClip.from_model(model, qk_clip_tau=None)
+    decay = {id(p): g["weight_decay"] for g in opt.param_groups for p in g["params"]}
+    assert all(decay[id(p)] == 0.0 for p in adamw if p.ndim < 2)  # norms, queries, A_log, dt_bias: no decay
+    assert all(decay[id(p)] == 0.1 for p in muon)
 
 
 def test_tied_embeddings_stay_with_adamw():

@@ -109,7 +109,7 @@ class KimiHybridGatedRMSNorm(KeepFP32Mixin, nn.Module):
 
     def __init__(self, head_dim: int, eps: float = 1e-5):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(head_dim))
+        self.weight = nn.Parameter(torch.ones(head_dim, dtype=torch.float32))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -205,7 +205,7 @@ class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
     _fp32_tensors = ("weight",)
 
     def __init__(self, dim: int, kernel_size: int):
-        super().__init__(dim, dim, kernel_size, groups=dim, bias=False)
+        super().__init__(dim, dim, kernel_size, groups=dim, bias=False, dtype=torch.float32)
 
     def forward(self, x: torch.Tensor, left: torch.Tensor | None = None, pos_in_doc: torch.Tensor | None = None):
         return short_conv(x, self.weight, left, pos_in_doc)
@@ -235,8 +235,9 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         self.q_conv1d, self.k_conv1d, self.v_conv1d = (KimiHybridShortConv(dim, self.conv_size) for _ in range(3))
         self.f_a_proj = nn.Linear(hidden, self.head_dim, bias=False)
         self.f_b_proj = nn.Linear(self.head_dim, dim, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_heads))
-        self.dt_bias = nn.Parameter(torch.empty(dim))
+        # fp32 whatever the default dtype the model is built in (and kept so by KeepFP32Mixin / from_pretrained)
+        self.A_log = nn.Parameter(torch.empty(self.num_heads, dtype=torch.float32))
+        self.dt_bias = nn.Parameter(torch.empty(dim, dtype=torch.float32))
         self.b_proj = nn.Linear(hidden, self.num_heads, bias=False)
         if config.kda_full_rank_output_gate:  # Kimi K3: one full-rank output gate
             self.g_proj = nn.Linear(hidden, dim, bias=False)
@@ -464,7 +465,8 @@ class KimiHybridMLA(nn.Module):
         # SDPA's fused kernels need one head size for q, k and v; with v_head_dim < qk_head_dim they
         # fall back to the math path (5x slower on CPU at T=2048): pad v with zeros, slice after (flash
         # kernels need it too; only eager, which materialises the scores, gains nothing).
-        pad = self.qk_head_dim - self.v_head_dim if impl != "eager" else 0
+        eager = impl == "eager" or impl.endswith("_eager")  # QK-Clip's recording wrapper of eager too
+        pad = self.qk_head_dim - self.v_head_dim if not eager else 0
         if pad > 0:
             value = F.pad(value, (0, pad))
         dropout = 0.0 if not self.training else self.attention_dropout
@@ -509,8 +511,8 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         self.top_k, self.num_experts = config.num_experts_per_tok, config.num_experts
         self.n_group, self.topk_group = config.n_group, config.topk_group
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
-        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size))
-        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts))
+        self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [N, E] -> sigmoid scores [N, E] fp32, the chosen experts [N, k] (the one place the

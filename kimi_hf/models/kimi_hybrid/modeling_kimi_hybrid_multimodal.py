@@ -47,12 +47,15 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
     def __init__(self, config: KimiHybridConfig):
         super().__init__(config)
         vc = config.vision_config
-        self.vision_tower = KimiHybridVisionModel._from_config(vc)
+        # sub-models in the dtype this model is built in: _from_config would follow a sub-config's own `dtype`
+        # (Kimi K3's released text_config says bfloat16), leaving the tower and the decoder in different dtypes
+        dtype = torch.get_default_dtype()
+        self.vision_tower = KimiHybridVisionModel._from_config(vc, dtype=dtype)
         # K2.5's patchmerger or K3's patchmergerv2, after vision_config.projector_type
         self.mm_projector = build_multimodal_projector(
             vc, config.text_config.hidden_size, config.projection_layer_norm_eps
         )
-        self.language_model = self.text_model_class._from_config(config.text_config)
+        self.language_model = self.text_model_class._from_config(config.text_config, dtype=dtype)
         self.post_init()
 
     def get_input_embeddings(self):

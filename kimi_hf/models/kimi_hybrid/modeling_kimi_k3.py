@@ -24,6 +24,27 @@ from .mxfp4_kimi_hybrid import quantize_mxfp4
 
 _register_k3_conversion_mapping()
 
+# PEFT LoRA targets recommended for Kimi K3's text backbone: KDA's q/k/v/o projections, MLA's q LoRA chain, latent
+# and kv expansion and output projection, the dense / shared-expert SiTU-GLU FFNs and the Stable LatentMoE bridges
+# (the routed experts are stacked [E, out, in] parameters, not nn.Linear: the bridges are their trainable way in).
+# Left out: the gates (KDA's f_a / f_b decay and b beta projections, the KDA / MLA output gates g_proj, the router),
+# the vision tower and the projector (target_modules="all-linear" adapts those too).
+K3_LORA_TARGET_MODULES = [
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "routed_expert_down_proj",
+    "routed_expert_up_proj",
+]
+
 
 class KimiK3TextModel(KimiHybridTextModel):
     """K3's text backbone (`language_model.model` in the release): KimiHybridTextModel with K3's options."""
@@ -130,6 +151,20 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
     config_class = KimiK3Config
     model_class = KimiK3Model
 
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """Tensor / expert parallelism of K3's released layout is refused by name for now: the loader shards each
+        checkpoint tensor before the conversion runs, and K3's A_log [head_dim] (heads first, zero padding after)
+        cannot be split by head before it is narrowed (rank 1 would get padding). Single-process loads
+        (device_map="auto" included) are unaffected."""
+        if distributed_config is not None and max(distributed_config.tp_size, distributed_config.ep_size) > 1:
+            raise ValueError(
+                "KimiK3ForConditionalGeneration: tensor / expert parallelism (tp_plan, DistributedConfig) of the "
+                "released K3 layout is not supported yet (A_log is stored zero-padded to head_dim and would be "
+                "sharded before it is narrowed); load on one process (device_map='auto' spreads it over devices)"
+            )
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
     def save_pretrained(self, save_directory, *args, experts_format: str | None = None, **kwargs):
         """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names.
         experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released: weights off the MXFP4 grid,
@@ -158,4 +193,10 @@ def _experts_quantization(text_config, value):
         text_config.experts_quantization_config = before
 
 
-__all__ = ["KimiK3TextModel", "KimiK3Model", "KimiK3ForConditionalGeneration", "k3_state_dict"]
+__all__ = [
+    "K3_LORA_TARGET_MODULES",
+    "KimiK3TextModel",
+    "KimiK3Model",
+    "KimiK3ForConditionalGeneration",
+    "k3_state_dict",
+]

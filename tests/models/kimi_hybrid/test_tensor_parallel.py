@@ -271,7 +271,7 @@ def wildcard_names(model):
 def test_plans_match_the_model():
     """Every rule names a module or parameter of some architecture; an instance's TP plan only those it has."""
     covered = set()
-    for over in (dict(), dict(q_lora_rank=8), dict(attn_residual="block")):
+    for over in (dict(), dict(q_lora_rank=8), dict(attn_residual="block"), dict(mla_use_output_gate=True)):
         config = tiny_config(**over)
         model = KimiHybridForCausalLM(config)
         names = {n.removeprefix("model.") for n in wildcard_names(model)}

@@ -2,6 +2,7 @@
 
     kimi-hf quickstart [--size tiny|small|base] [--steps N] [--out DIR] [--device auto|cpu|cuda]
     kimi-hf convert kimi-linear SRC DST [...]       kimi-hf convert k25-vision TEXT K25 DST [...]
+    kimi-hf convert k3 SRC DST [...]                (Kimi K3 with its MXFP4 experts dequantised)
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
     kimi-hf bench NAME [...]                        (benchmarks/NAME.py of a source checkout)
 
@@ -22,13 +23,15 @@ from . import __version__
 PROG = "kimi-hf"
 COMMAND_HELP = {
     "quickstart": "build, train, save, reload and try a small early-fusion hybrid model (offline, CPU)",
-    "convert": "convert checkpoints: kimi-linear (Kimi Linear namings), k25-vision (add K2.5's vision tower)",
+    "convert": "convert checkpoints: kimi-linear (Kimi Linear namings), k25-vision (add K2.5's vision tower), "
+    "k3 (dequantise Kimi K3's MXFP4 experts)",
     "serve": "an OpenAI-compatible HTTP server (transformers serve) for this package's models",
     "bench": "run one of the benchmarks/ scripts of a source checkout",
 }
 CONVERTERS = {
     "kimi-linear": "convert a Kimi Linear checkpoint between Moonshot's / transformers' naming and kimi_hf's",
     "k25-vision": "assemble a hybrid text checkpoint and Kimi K2.5's vision tower into an early-fusion one",
+    "k3": "dequantise a Kimi K3 folder's MXFP4 routed experts (official K3 names, bf16 / fp16 / fp32)",
 }
 BENCHMARKS = {
     "kda": "the KDA operator: ours vs transformers' torch fallbacks on CPU (--cuda: Triton vs fla)",
@@ -134,8 +137,9 @@ def _convert(argv):
         description="Convert checkpoints (streaming, sharded, atomic: a failed run leaves no output).",
     )
     from .conversion.cli import k25_vision_main, kimi_linear_main
+    from .conversion.k3 import k3_main  # torch-free until it converts, as the others
 
-    main = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main}[name]
+    main = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main, "k3": k3_main}[name]
     return main(argv[1:], prog=f"{PROG} convert {name}")
 
 

@@ -1,0 +1,679 @@
+"""Kimi K3's chat markup ("XTML"), in one place: its tokens, a Jinja chat template that stock
+`tokenizer.apply_chat_template` renders as K3's own Python encoder (`encoding_k3.py`, `build_chat_segments`)
+does, transformers' response parser spec for it, a parser for the model's replies, and the stop token.
+
+K3 ships no Jinja template; its tokenizer builds the prompt in Python. The markup is XML-like, its brackets
+being tokens (`<|open|>` special; `<|close|>` and `<|sep|>` not special, so they survive
+`skip_special_tokens`), and every message ends with `<|end_of_msg|>` (the model's stop token):
+
+    <|open|>message role="system" type="thinking-effort"<|sep|>`thinking_effort` guides ...
+        Now the system is invoked with `thinking_effort=max`.<|close|>message<|sep|><|end_of_msg|>
+    <|open|>message role="user"<|sep|>What is 15% of 240?<|close|>message<|sep|><|end_of_msg|>
+    <|open|>message role="assistant"<|sep|><|open|>think<|sep|>                  <- the generation prompt
+        0.15 * 240 = 36<|close|>think<|sep|><|open|>response<|sep|>36<|close|>response<|sep|>
+        <|close|>message<|sep|><|end_of_msg|>                                   <- what the model writes
+
+(one line in reality: there is no whitespace between elements). With tools, a `tool-declare` system message
+(compact, key-sorted JSON Schema) comes first; an assistant's calls follow its response channel as
+`<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|><|open|>argument key="city"
+type="string"<|sep|>Paris<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>`; results are
+`<|open|>message role="tool" tool="get_weather" index="1"<|sep|>18C<|close|>message<|sep|><|end_of_msg|>`.
+An image is the text `<|kimi_image_placeholder|>` (not a token: the processor replaces it with
+`<|media_begin|>image WxH<|media_content|><|media_pad|><|media_end|>`). No BOS is written.
+
+Choices made where the sources (public ports of encoding_k3.py: vLLM's copy "derived from encoding_k3.py at
+commit c5d1dd4", a port differential-tested against the release's encoding_k3.py, llama.cpp's Kimi-K3.jinja,
+ms-swift's K3 template tests against the official tokenizer) are silent or disagree:
+
+- Attribute values escape `&` -> `&amp;` then `"` -> `&quot;`; `<` and `>` stay literal (all ports agree:
+  the markup's brackets are tokens, not characters). Message content is never escaped.
+- Thinking: on by default (K3's `thinking=True`). The template reads `enable_thinking` (transformers'
+  convention) and K3's own name `thinking`; `enable_thinking` wins when both are given. Thinking effort:
+  `thinking_effort` (alias `reasoning_effort`), default "max" as K3's `apply_chat_template` does
+  (`kwargs.setdefault("thinking_effort", "max")`); `thinking_effort=None` leaves the preamble out. Accepted
+  values low / high / max, as the encoder asserts (its own preamble text also names `medium`, which the
+  encoder rejects; llama.cpp's template accepts it; we follow the encoder).
+- Every assistant message carries the think channel when thinking is on, empty when it has no reasoning
+  (history reasoning is kept, not stripped: encoder ports, llama.cpp and ms-swift agree; one tinker renderer
+  strips it, which we do not follow). With thinking off the channel is absent. Reasoning that is only
+  whitespace is left out, as the encoder does.
+- The generation prompt opens the assistant message and the think channel (`response` with thinking off):
+  the model's reply starts inside the channel (the Megatron-Bridge greedy run of the real model continues
+  with `...<|close|>think<|sep|><|open|>response<|sep|>15% of 240 is 36.`).
+- Assistant tool calls: dict arguments are rendered as typed `argument` elements (string values raw, other
+  values as JSON with json.dumps' default separators), which is what the encoder does. The `json type="object"`
+  element is the encoder's form for arguments that are a string it cannot parse as JSON. A Jinja template
+  cannot parse JSON, so arguments given as a JSON *string* are rendered in the `json` element as they are;
+  call `normalize_k3_messages` first (it parses them, as the encoder does) to get the encoder's bytes.
+- Tool results: named by `tool` / `name`, else by the position of the preceding assistant's call; a run of
+  results that all name a call by `tool_call_id` is put in the calls' order and takes the call's name (the
+  encoder's `normalize_xtml_tool_result_messages`); `index` counts results since the last assistant message.
+- `name` attributes on system / user / assistant messages when the message has a `name` (the
+  differential-tested port and llama.cpp; vLLM's copy drops it for assistants).
+- A message with an unknown role raises (the encoder skips it silently).
+- `tool_choice` ("required" / "none") and `response_format` (json_object / json_schema) add the encoder's
+  internal system messages after the conversation. `image_prompts` (the processor's expansion) is not done
+  here: images stay `<|kimi_image_placeholder|>`.
+- Tokens: the encoder tokenizes its segments one by one and encodes content with special tokens disallowed;
+  `apply_chat_template` tokenizes the whole string, so content that spells a markup token (`<|open|>`)
+  becomes that token, and a BPE merge across a segment boundary could differ (none does for K3's split
+  pattern at the markup's boundaries). The rendered *string* is the encoder's.
+- `{% generation %}` marks what the model writes after the generation prompt: for each assistant message,
+  everything after `<|open|>message role="assistant"<|sep|><|open|>think<|sep|>` (or `...<|open|>response<|sep|>`
+  with thinking off) up to and including its `<|end_of_msg|>`, so `return_assistant_tokens_mask` and TRL's
+  `assistant_only_loss` train on exactly the reply.
+
+Part of the flat, Hub-copyable model folder: imports only the standard library and transformers.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+
+OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
+K3_STOP_TOKEN = END_OF_MSG  # K3's config eos (163586): the end of every message; the tokenizer's own eos is [EOS]
+IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # plain text, not a token (it may merge with a following "\n")
+MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
+    "<|media_begin|>",
+    "<|media_content|>",
+    "<|media_pad|>",
+    "<|media_end|>",
+)
+BOS, EOS, PAD, UNK = "[BOS]", "[EOS]", "[PAD]", "[UNK]"
+XTML_TOKENS = [END_OF_MSG, OPEN, CLOSE, SEP]
+MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD]
+# K3's added tokens by offset from the number of BPE ranks (163584 in the release): (content, special)
+K3_TOKEN_OFFSETS = {
+    0: (BOS, True),
+    1: (EOS, True),
+    2: (END_OF_MSG, True),
+    3: (OPEN, True),
+    4: (CLOSE, False),
+    5: (SEP, False),
+    18: (MEDIA_BEGIN, True),
+    19: (MEDIA_CONTENT, True),
+    20: (MEDIA_END, True),
+    21: (MEDIA_PAD, True),
+    254: (UNK, True),
+    255: (PAD, True),
+}
+VALID_THINKING_EFFORTS = ("low", "high", "max")
+DEFAULT_THINKING_EFFORT = "max"
+ASSISTANT_HEADER = OPEN + 'message role="assistant"' + SEP
+THINK_OPEN, THINK_CLOSE = OPEN + "think" + SEP, CLOSE + "think" + SEP
+RESPONSE_OPEN, RESPONSE_CLOSE = OPEN + "response" + SEP, CLOSE + "response" + SEP
+MESSAGE_CLOSE = CLOSE + "message" + SEP
+GENERATION_PROMPT = ASSISTANT_HEADER + THINK_OPEN  # with thinking off: ASSISTANT_HEADER + RESPONSE_OPEN
+
+THINKING_EFFORT_PREAMBLE = (
+    "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
+    "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
+    "Now the system is invoked with `thinking_effort={effort}`."
+)
+TOOL_DECLARE_HEAD = "# Tools\nHere are the available tools, described in JSONSchema.\n\n"
+DYNAMIC_TOOL_DECLARE_HEAD = (
+    "## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\n"
+    "You have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n"
+)
+
+
+# Every piece of output is an expression (`{{- ... -}}`) and every tag strips the whitespace around it, so
+# the template's own layout never reaches the prompt. `\n` inside the string literals is Jinja's escape.
+K3_CHAT_TEMPLATE = r"""
+{#- Kimi K3 XTML (encoding_k3.py); see chat_template_kimi_k3.py in kimi_hf for the format and its choices -#}
+{%- macro k3_attr(value) -%}
+    {{- value | string | replace('&', '&amp;') | replace('"', '&quot;') -}}
+{%- endmacro -%}
+{%- macro k3_open(tag, attrs=[]) -%}
+    {{- '<|open|>' ~ tag -}}
+    {%- for pair in attrs -%}
+        {{- ' ' ~ pair[0] ~ '="' ~ k3_attr(pair[1]) ~ '"' -}}
+    {%- endfor -%}
+    {{- '<|sep|>' -}}
+{%- endmacro -%}
+{%- macro k3_close(tag) -%}
+    {{- '<|close|>' ~ tag ~ '<|sep|>' -}}
+{%- endmacro -%}
+{%- macro k3_system(kind, body) -%}
+    {{- k3_open('message', [('role', 'system'), ('type', kind)]) ~ (body | trim) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+{%- endmacro -%}
+{%- macro k3_json(value) -%}
+    {{- value | tojson(separators=(',', ':'), sort_keys=True) -}}
+{%- endmacro -%}
+{%- macro k3_tool_declare(tool_list, dynamic) -%}
+    {%- if dynamic -%}
+        {%- set head = '## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n' -%}
+    {%- else -%}
+        {%- set head = '# Tools\nHere are the available tools, described in JSONSchema.\n\n' -%}
+    {%- endif -%}
+    {{- k3_system('tool-declare', head ~ '```json\n' ~ k3_json(tool_list) ~ '\n```') -}}
+{%- endmacro -%}
+{%- macro k3_content(content) -%}
+    {%- if content is string -%}
+        {{- content -}}
+    {%- elif content is not none and content is defined -%}
+        {%- for part in content -%}
+            {%- if part is string -%}
+                {{- part -}}
+            {%- elif part.type in ['image', 'image_url'] -%}
+                {{- '<|kimi_image_placeholder|>' -}}
+            {%- elif part.text is defined -%}
+                {{- part.text | string -}}
+            {%- else -%}
+                {{- raise_exception('Kimi K3: a content part needs a "text" unless it is an image, got type ' ~ part.type | string) -}}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro k3_type(value) -%}
+    {%- if value is boolean -%}{{- 'boolean' -}}
+    {%- elif value is none -%}{{- 'null' -}}
+    {%- elif value is number -%}{{- 'number' -}}
+    {%- elif value is string -%}{{- 'string' -}}
+    {%- elif value is mapping -%}{{- 'object' -}}
+    {%- else -%}{{- 'array' -}}
+    {%- endif -%}
+{%- endmacro -%}
+{%- macro k3_reply(message, think) -%}
+    {#- what the model writes after the generation prompt (which opened the think / response channel) -#}
+    {%- if think -%}
+        {%- set reasoning = message.get('reasoning_content') or message.get('reasoning') -%}
+        {%- if reasoning is not none and reasoning | string | trim -%}
+            {{- reasoning | string -}}
+        {%- endif -%}
+        {{- k3_close('think') ~ k3_open('response') -}}
+    {%- endif -%}
+    {{- k3_content(message.get('content')) ~ k3_close('response') -}}
+    {%- if message.get('tool_calls') -%}
+        {{- k3_open('tools') -}}
+        {%- for call in message.tool_calls -%}
+            {%- if call is not mapping -%}
+                {{- raise_exception('Kimi K3 tool calls must be objects.') -}}
+            {%- endif -%}
+            {%- set fn = call.function if call.function is mapping else call -%}
+            {%- if fn.get('name') is not string or not fn.get('name') -%}
+                {{- raise_exception('Kimi K3 tool calls require a non-empty function name.') -}}
+            {%- endif -%}
+            {{- k3_open('call', [('tool', fn.name), ('index', loop.index)]) -}}
+            {%- set arguments = fn.get('arguments') -%}
+            {%- if arguments is mapping -%}
+                {%- for key, value in arguments.items() -%}
+                    {{- k3_open('argument', [('key', key), ('type', k3_type(value))]) -}}
+                    {{- (value if value is string else value | tojson) ~ k3_close('argument') -}}
+                {%- endfor -%}
+            {%- elif arguments is string -%}
+                {%- if arguments | trim -%}
+                    {{- k3_open('json', [('type', 'object')]) ~ arguments ~ k3_close('json') -}}
+                {%- endif -%}
+            {%- elif arguments is not none -%}
+                {{- raise_exception('Kimi K3 tool call arguments must be a mapping or a JSON object string.') -}}
+            {%- endif -%}
+            {{- k3_close('call') -}}
+        {%- endfor -%}
+        {{- k3_close('tools') -}}
+    {%- endif -%}
+    {{- k3_close('message') ~ '<|end_of_msg|>' -}}
+{%- endmacro -%}
+{%- macro k3_tool_result(message, state, resolved) -%}
+    {%- set state.tool_index = state.tool_index + 1 -%}
+    {%- if resolved is not none -%}
+        {%- set name = resolved -%}
+    {%- elif 'tool' in message -%}
+        {%- set name = message.tool -%}
+    {%- else -%}
+        {%- set name = message.get('name') -%}
+    {%- endif -%}
+    {%- if name is none and state.calls and state.tool_index <= state.calls | length -%}
+        {%- set by_position = state.calls[state.tool_index - 1] -%}
+        {%- set name = (by_position.function if by_position.function is mapping else by_position).get('name') -%}
+    {%- endif -%}
+    {%- if name is none -%}
+        {{- raise_exception('Kimi K3 tool messages need a resolvable tool name: give `tool` / `name`, or follow an assistant message whose tool_calls match them by order.') -}}
+    {%- endif -%}
+    {{- k3_open('message', [('role', 'tool'), ('tool', name), ('index', state.tool_index)]) -}}
+    {{- k3_content(message.get('content')) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+{%- endmacro -%}
+{#- ---- arguments ---- -#}
+{%- if enable_thinking is defined and enable_thinking is not none -%}
+    {%- set think = enable_thinking -%}
+{%- elif thinking is defined and thinking is not none -%}
+    {%- set think = thinking -%}
+{%- else -%}
+    {%- set think = true -%}
+{%- endif -%}
+{%- if thinking_effort is defined -%}
+    {%- set effort = thinking_effort -%}
+{%- elif reasoning_effort is defined -%}
+    {%- set effort = reasoning_effort -%}
+{%- else -%}
+    {%- set effort = 'max' -%}
+{%- endif -%}
+{%- if think and effort is not none and effort not in ['low', 'high', 'max'] -%}
+    {{- raise_exception('Unsupported thinking_effort=' ~ effort | string ~ "; supported values are ['high', 'low', 'max'].") -}}
+{%- endif -%}
+{%- set state = namespace(calls=none, tool_index=0) -%}
+{#- ---- the encoder's preamble: tool declarations, then the thinking effort ---- -#}
+{%- if tools -%}
+    {{- k3_tool_declare(tools, false) -}}
+{%- endif -%}
+{%- if think and effort is not none -%}
+    {{- k3_system('thinking-effort', '`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=' ~ effort ~ '`.') -}}
+{%- endif -%}
+{#- ---- the conversation ---- -#}
+{%- for message in messages -%}
+    {%- if message.role == 'user' or (message.role == 'system' and not message.get('tools')) -%}
+        {%- set attrs = [('role', message.role)] -%}
+        {%- if message.get('name') -%}
+            {%- set attrs = attrs + [('name', message.name)] -%}
+        {%- endif -%}
+        {{- k3_open('message', attrs) ~ k3_content(message.get('content')) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+    {%- elif message.role == 'system' -%}
+        {{- k3_tool_declare(message.tools, true) -}}
+    {%- elif message.role == 'assistant' -%}
+        {%- set state.calls = message.get('tool_calls') -%}
+        {%- set state.tool_index = 0 -%}
+        {%- set attrs = [('role', 'assistant')] -%}
+        {%- if message.get('name') -%}
+            {%- set attrs = attrs + [('name', message.name)] -%}
+        {%- endif -%}
+        {{- k3_open('message', attrs) ~ k3_open('think' if think else 'response') -}}
+        {%- generation -%}
+            {{- k3_reply(message, think) -}}
+        {%- endgeneration -%}
+    {%- elif message.role == 'tool' -%}
+        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}
+            {#- a run of results: in the calls' order when every one names a call by id -#}
+            {%- set run = namespace(results=[], positions=[], names=[], matched=true) -%}
+            {%- for result in messages[loop.index0:] -%}
+                {%- if result.role != 'tool' -%}
+                    {%- break -%}
+                {%- endif -%}
+                {%- set call_id = result.tool_call_id if 'tool_call_id' in result else result.get('id') -%}
+                {%- set found = namespace(position=0, name=none) -%}
+                {%- if call_id is not none and state.calls -%}
+                    {%- for call in state.calls -%}
+                        {%- if found.position == 0 and call is mapping and call.get('id') is not none and call.id | string == call_id | string -%}
+                            {%- set found.position = loop.index -%}
+                            {%- set found.name = (call.function if call.function is mapping else call).get('name') -%}
+                        {%- endif -%}
+                    {%- endfor -%}
+                {%- endif -%}
+                {%- if found.position == 0 -%}
+                    {%- set run.matched = false -%}
+                {%- endif -%}
+                {%- set run.results = run.results + [result] -%}
+                {%- set run.positions = run.positions + [found.position] -%}
+                {%- set run.names = run.names + [found.name] -%}
+            {%- endfor -%}
+            {%- if run.matched -%}
+                {%- for position in range(1, state.calls | length + 1) -%}
+                    {%- for i in range(run.results | length) -%}
+                        {%- if run.positions[i] == position -%}
+                            {{- k3_tool_result(run.results[i], state, run.names[i]) -}}
+                        {%- endif -%}
+                    {%- endfor -%}
+                {%- endfor -%}
+            {%- else -%}
+                {%- for result in run.results -%}
+                    {{- k3_tool_result(result, state, none) -}}
+                {%- endfor -%}
+            {%- endif -%}
+        {%- endif -%}
+    {%- else -%}
+        {{- raise_exception('Kimi K3 chat messages have the roles system, user, assistant and tool, got ' ~ message.role | string) -}}
+    {%- endif -%}
+{%- endfor -%}
+{#- ---- request switches, after the conversation ---- -#}
+{%- if tool_choice is defined and tool_choice == 'required' -%}
+    {{- k3_system('tool-choice', 'The system is invoked with `tool_choice=required`.\nYou MUST call tools in the next message.') -}}
+{%- elif tool_choice is defined and tool_choice == 'none' -%}
+    {{- k3_system('tool-choice', 'The system is invoked with `tool_choice=none`.\nYou MUST NOT call any tools in the next message.') -}}
+{%- endif -%}
+{%- if response_format is defined and response_format is not none -%}
+    {%- set format_type = response_format.get('type') if response_format is mapping else response_format -%}
+    {%- if format_type == 'json_object' -%}
+        {{- k3_system('response-format', 'The system is invoked with `response_format=json_object`.\nYour response must be raw JSON data without markdown code blocks (```json) or any additional formatting.') -}}
+    {%- elif format_type == 'json_schema' -%}
+        {%- if response_schema is defined and response_schema is not none -%}
+            {%- set schema = response_schema -%}
+        {%- else -%}
+            {%- set wrapper = response_format.get('json_schema') if response_format is mapping else none -%}
+            {%- if wrapper is mapping and 'schema' in wrapper -%}
+                {%- set schema = wrapper.schema -%}
+            {%- elif wrapper is mapping and 'json_schema' in wrapper -%}
+                {%- set schema = wrapper.json_schema -%}
+            {%- else -%}
+                {%- set schema = wrapper -%}
+            {%- endif -%}
+        {%- endif -%}
+        {{- k3_system('response-format', 'The system is invoked with `response_format=json_schema`.\nYour response must be raw JSON data without markdown code blocks (```json) or any additional formatting.\nThe JSON data must match the following schema:\n```json\n' ~ k3_json(schema) ~ '\n```') -}}
+    {%- endif -%}
+{%- endif -%}
+{%- if add_generation_prompt -%}
+    {{- k3_open('message', [('role', 'assistant')]) ~ k3_open('think' if think else 'response') -}}
+{%- endif -%}
+""".strip()
+
+
+# transformers' response parser spec (tokenizer.response_template) for K3's replies, for
+# tokenizer.parse_response(text, prefix=prompt), `transformers serve` and TRL's tool loop. The prompt's
+# generation prompt opened the think (or response) channel, and the prefix tells the parser so. It reads the
+# think and response channels and `argument`-form calls; its limits (use `parse_k3_reply` where they matter):
+# argument values stay strings unless `tools=` is passed (then transformers casts them by the tool's schema;
+# the `type` attribute is not read), `&quot;` / `&amp;` in names are not decoded, and a call written as a
+# `json` element comes back with empty arguments. Text after the message's end (`<|close|>message<|sep|>`,
+# `<|end_of_msg|>`, `[EOS]`: pads, a next turn) lands in the `end` field, whose value is always empty, so it
+# never reaches the parsed message.
+K3_RESPONSE_TEMPLATE = {
+    "defaults": {"role": "assistant"},
+    "start_anchor": ASSISTANT_HEADER,
+    "fields": {
+        "reasoning_content": {"open": THINK_OPEN, "close": THINK_CLOSE, "content_args": {"strip": False}},
+        "content": {"open": RESPONSE_OPEN, "close": RESPONSE_CLOSE, "content_args": {"strip": False}},
+        "tool_calls": {
+            "open_pattern": r'<\|open\|>call tool="(?P<name>[^"]*)"[^<]*?<\|sep\|>',
+            "close": CLOSE + "call" + SEP,
+            "repeats": True,
+            "content": "xml-inline",
+            "content_args": {
+                "tag_pattern": r'<\|open\|>argument key="(?P<key>[^"]*)"[^<]*?<\|sep\|>(?P<value>.*?)<\|close\|>argument<\|sep\|>',
+                "value_parser": {"name": "text", "args": {"strip": False}},
+            },
+            "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
+        },
+        "end": {"open": [MESSAGE_CLOSE, END_OF_MSG, EOS], "transform": []},
+    },
+}
+
+
+class K3ReplyError(ValueError):
+    """A reply whose XTML does not parse. `position`: where, in `text` (what the parser saw: the channel the
+    prefix opened, then the reply); `partial`: what parsed before it; `resume`: where the unparsed rest starts
+    (the start of the element that failed)."""
+
+    def __init__(self, reason: str, partial: dict, position: int, text: str, resume: int | None = None):
+        super().__init__(f"{reason} at position {position} of {text[max(0, position - 40) : position + 40]!r}")
+        self.reason, self.partial, self.position, self.text = reason, partial, position, text
+        self.resume = position if resume is None else resume
+
+
+_MARKUP = re.compile(r"<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>")
+_HEADER = re.compile(r'\s*([A-Za-z_][\w-]*)((?:\s+[A-Za-z_][\w-]*="[^"]*")*)\s*\Z')
+_ATTR = re.compile(r'([A-Za-z_][\w-]*)="([^"]*)"')
+_ENTITY = re.compile(r"&(amp|quot);")
+_ASSISTANT_HEADER = re.compile(r'<\|open\|>message role="assistant"[^<]*<\|sep\|>')
+
+
+def unescape_attr(value: str) -> str:
+    """Inverse of the encoder's attribute escaping (`&` -> `&amp;`, then `"` -> `&quot;`)."""
+    return _ENTITY.sub(lambda m: "&" if m.group(1) == "amp" else '"', value)
+
+
+def _argument_value(raw: str, kind: str | None) -> Any:
+    """An `argument` element's text -> its value, by its `type` attribute (the encoder writes strings raw and
+    everything else as JSON). A missing type reads as a string."""
+    if kind in (None, "string"):
+        return raw
+    if kind not in ("number", "boolean", "null", "object", "array"):
+        raise ValueError(f"unknown argument type {kind!r}")
+    value = json.loads(raw.strip())
+    expected = {
+        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        "boolean": lambda v: isinstance(v, bool),
+        "null": lambda v: v is None,
+        "object": lambda v: isinstance(v, dict),
+        "array": lambda v: isinstance(v, list),
+    }[kind]
+    if not expected(value):
+        raise ValueError(f"{raw!r} is not a JSON {kind}")
+    return value
+
+
+class _ReplyParser:
+    """Recursive descent over one assistant message body: [think] [response] [tools], then the message's end."""
+
+    def __init__(self, text: str):
+        self.text, self.pos = text, 0
+        self.out = {"role": "assistant", "reasoning_content": None, "content": "", "tool_calls": []}
+
+    def fail(self, reason: str, position: int | None = None, resume: int | None = None):
+        position = self.pos if position is None else position
+        raise K3ReplyError(reason, self.out, position, self.text, resume)
+
+    def skip_space(self):
+        while self.pos < len(self.text) and self.text[self.pos].isspace():
+            self.pos += 1
+
+    def at(self, literal: str) -> bool:
+        return self.text.startswith(literal, self.pos)
+
+    def open_tag(self) -> tuple[str, dict]:
+        """At `<|open|>`: reads `tag attr="..."<|sep|>` -> (tag, attributes, unescaped)."""
+        start = self.pos
+        self.pos += len(OPEN)
+        m = _MARKUP.search(self.text, self.pos)
+        if m is None or m.group() != SEP:
+            self.fail("unterminated element header" if m is None else f"{m.group()} inside an element header", start)
+        header = _HEADER.match(self.text, self.pos, m.start())
+        if header is None:
+            self.fail(f"malformed element header {self.text[self.pos : m.start()]!r}", start)
+        self.pos = m.end()
+        return header.group(1), {k: unescape_attr(v) for k, v in _ATTR.findall(header.group(2))}
+
+    def body(self, tag: str, *, may_end: bool) -> str:
+        """Text up to `<|close|>tag<|sep|>` (consumed). `may_end`: a missing close at the end of the text is a
+        truncated reply (generation stopped by length), not an error."""
+        m = _MARKUP.search(self.text, self.pos)
+        start = self.pos
+        if m is None:
+            if not may_end:
+                self.fail(f"unterminated {tag} element", len(self.text), start)
+            self.pos = len(self.text)
+            return self.text[start:]
+        if not self.text.startswith(CLOSE + tag + SEP, m.start()):
+            # resumed at the body's start, so that strict=False keeps the body's text in the plain reply
+            self.fail(f"expected {CLOSE}{tag}{SEP}, got {self.text[m.start() : m.start() + 30]!r}", m.start(), start)
+        self.pos = m.start() + len(CLOSE + tag + SEP)
+        return self.text[start : m.start()]
+
+    def call(self, attrs: dict) -> dict:
+        if not attrs.get("tool"):
+            self.fail("a call without a tool name")
+        arguments: dict = {}
+        while True:
+            self.skip_space()
+            if self.at(CLOSE + "call" + SEP):
+                self.pos += len(CLOSE + "call" + SEP)
+                return {"type": "function", "function": {"name": attrs["tool"], "arguments": arguments}}
+            if not self.at(OPEN):
+                self.fail("expected an argument, a json element or the end of the call")
+            start = self.pos
+            tag, element = self.open_tag()
+            if tag == "argument":
+                if "key" not in element:
+                    self.fail("an argument without a key", start)
+                raw = self.body("argument", may_end=False)
+                try:
+                    arguments[element["key"]] = _argument_value(raw, element.get("type"))
+                except ValueError as e:
+                    self.fail(f"argument {element['key']!r}: {e}", start)
+            elif tag == "json":
+                raw = self.body("json", may_end=False)
+                try:
+                    value = json.loads(raw)
+                except ValueError as e:
+                    self.fail(f"the call's json element is not JSON ({e})", start)
+                if not isinstance(value, dict):
+                    self.fail("the call's json element is not a JSON object", start)
+                arguments.update(value)
+            else:
+                self.fail(f"unexpected <{tag}> element in a call", start)
+
+    def tools(self):
+        while True:
+            self.skip_space()
+            if self.at(CLOSE + "tools" + SEP):
+                self.pos += len(CLOSE + "tools" + SEP)
+                return
+            if not self.at(OPEN):
+                self.fail("expected a call or the end of the tools element")
+            start = self.pos
+            tag, attrs = self.open_tag()
+            if tag != "call":
+                self.fail(f"unexpected <{tag}> element in tools", start)
+            try:
+                self.out["tool_calls"].append(self.call(attrs))
+            except K3ReplyError as error:  # a broken call is dropped whole (strict=False: its text is the rest)
+                self.fail(error.reason, error.position, start)
+
+    def parse(self) -> dict:
+        seen = set()
+        while True:
+            self.skip_space()
+            if self.pos >= len(self.text) or self.at(MESSAGE_CLOSE):
+                return self.out
+            if not self.at(OPEN):
+                self.fail("text outside the think / response / tools elements")
+            start = self.pos
+            tag, _ = self.open_tag()
+            if tag in seen or tag not in ("think", "response", "tools"):
+                self.fail(f"unexpected {'second ' if tag in seen else ''}<{tag}> element", start)
+            seen.add(tag)
+            if tag == "think":
+                self.out["reasoning_content"] = self.body("think", may_end=True)
+            elif tag == "response":
+                self.out["content"] = self.body("response", may_end=True)
+            else:
+                self.tools()
+
+
+def parse_k3_reply(text: str, prefix: str | None = None, *, strict: bool = True) -> dict:
+    """A K3 reply (decoded with `skip_special_tokens=False`: `<|open|>` and `<|end_of_msg|>` are special) ->
+    {"role": "assistant", "reasoning_content": str | None, "content": str, "tool_calls": [...]}, the message
+    to append to the chat (`apply_chat_template` renders it back as the model wrote it). Tool calls are
+    {"type": "function", "function": {"name", "arguments": dict}}, argument values typed by their `type`
+    attribute. `reasoning_content` is None when the reply has no think channel (thinking off).
+
+    `prefix`: the prompt the reply continues (it ends inside the channel the generation prompt opened). Without
+    one, a reply that does not start with an element is read as continuing the think channel when it closes
+    one, else the response channel (a plain string is a plain reply). The reply ends at the message's end,
+    `<|end_of_msg|>` or `[EOS]`; what follows is ignored. A channel cut short (max_new_tokens) keeps its text.
+    Malformed markup raises `K3ReplyError` (a ValueError) naming the place; with `strict=False` the parsed
+    part is returned instead, the unparsed rest (markup included) appended to `content`."""
+    if not isinstance(text, str):
+        raise TypeError(f"parse_k3_reply takes the decoded reply text, got {type(text).__name__}")
+    head = None
+    if prefix:
+        anchors = list(_ASSISTANT_HEADER.finditer(prefix))
+        if anchors:
+            head = prefix[anchors[-1].end() :]
+    m = _ASSISTANT_HEADER.match(text.lstrip())
+    if m is not None:  # a whole message
+        text, head = text.lstrip()[m.end() :], ""
+    if head is None:  # where does the reply start? (no prefix says)
+        if text.lstrip().startswith(OPEN):
+            head = ""
+        elif THINK_CLOSE in text.split(END_OF_MSG)[0].split(EOS)[0]:
+            head = THINK_OPEN
+        else:
+            head = RESPONSE_OPEN
+    full = head + text
+    ends = [i for i in (full.find(END_OF_MSG, len(head)), full.find(EOS, len(head))) if i >= 0]
+    full = full[: min(ends)] if ends else full
+    parser = _ReplyParser(full)
+    try:
+        return parser.parse()
+    except K3ReplyError as error:
+        if strict:
+            raise
+        out = error.partial
+        rest = full[max(error.resume, len(head)) :].split(MESSAGE_CLOSE)[0]
+        out["content"] = (out["content"] or "") + rest
+        return out
+
+
+def normalize_k3_messages(messages: list[dict]) -> list[dict]:
+    """Copies of `messages` with tool-call arguments given as JSON strings parsed into dicts, as K3's encoder
+    does before rendering (arguments that do not parse stay strings: the template writes them in a `json`
+    element, as the encoder does). Render these to get the encoder's exact bytes for OpenAI-style calls."""
+    out = []
+    for message in messages:
+        calls = message.get("tool_calls") if isinstance(message, dict) else None
+        if not calls:
+            out.append(message)
+            continue
+        fixed = []
+        for call in calls:
+            call = dict(call)
+            holder = dict(call["function"]) if isinstance(call.get("function"), dict) else call
+            arguments = holder.get("arguments")
+            if isinstance(arguments, str):
+                if not arguments.strip():
+                    holder["arguments"] = {}
+                else:
+                    try:
+                        parsed = json.loads(arguments)
+                    except ValueError:
+                        parsed = arguments
+                    if not isinstance(parsed, (dict, str)):
+                        raise ValueError("Kimi K3 tool call arguments must be a JSON object.")
+                    holder["arguments"] = parsed
+            if holder is not call:
+                call["function"] = holder
+            fixed.append(call)
+        out.append({**message, "tool_calls": fixed})
+    return out
+
+
+def k3_stop_token_ids(tokenizer) -> list[int]:
+    """The ids K3 chat generation stops on: <|end_of_msg|> (the end of every message, K3's config eos), then
+    the tokenizer's eos ([EOS], the end of a document) when it differs."""
+    ids = []
+    end = tokenizer.convert_tokens_to_ids(K3_STOP_TOKEN)
+    if end is not None and end != tokenizer.unk_token_id:
+        ids.append(end)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    return ids
+
+
+def use_k3_chat_markup(tokenizer):
+    """Sets K3's chat template and response template on `tokenizer` (saved with it); returns it."""
+    tokenizer.chat_template = K3_CHAT_TEMPLATE
+    tokenizer.response_template = K3_RESPONSE_TEMPLATE
+    return tokenizer
+
+
+__all__ = [
+    "K3_CHAT_TEMPLATE",
+    "K3_RESPONSE_TEMPLATE",
+    "K3_STOP_TOKEN",
+    "K3_TOKEN_OFFSETS",
+    "K3ReplyError",
+    "OPEN",
+    "CLOSE",
+    "SEP",
+    "END_OF_MSG",
+    "IMAGE_PLACEHOLDER",
+    "MEDIA_BEGIN",
+    "MEDIA_CONTENT",
+    "MEDIA_PAD",
+    "MEDIA_END",
+    "XTML_TOKENS",
+    "MEDIA_TOKENS",
+    "VALID_THINKING_EFFORTS",
+    "DEFAULT_THINKING_EFFORT",
+    "ASSISTANT_HEADER",
+    "GENERATION_PROMPT",
+    "THINKING_EFFORT_PREAMBLE",
+    "TOOL_DECLARE_HEAD",
+    "DYNAMIC_TOOL_DECLARE_HEAD",
+    "parse_k3_reply",
+    "normalize_k3_messages",
+    "unescape_attr",
+    "k3_stop_token_ids",
+    "use_k3_chat_markup",
+]

@@ -11,7 +11,7 @@ import importlib
 _EXPORTS = {
     "CheckpointReader": (".checkpoint", "CheckpointReader"),
     "ShardedWriter": (".checkpoint", "ShardedWriter"),
-    "parse_size": (".checkpoint", "parse_size"),
+    "parse_size": (".safetensors_stream", "parse_size"),
     "peak_rss_mb": (".checkpoint", "peak_rss_mb"),
     "convert_kimi_linear": (".kimi_linear", "convert"),
     "verify_kimi_linear": (".kimi_linear", "verify"),

@@ -13,25 +13,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..models.kimi_hybrid.hub_kimi_hybrid import make_temp_dir, set_normal_mode
-
-
-INDEX = "model.safetensors.index.json"
+from .safetensors_stream import INDEX, parse_size, shard_names  # noqa: F401  (parse_size: imported from here too)
 
 
 def peak_rss_mb() -> float:
     """This process's peak resident memory so far, in MB (Linux ru_maxrss is in KB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def parse_size(text: str | int) -> int:
-    """'5GB', '500MB', '100KB' or a number of bytes -> bytes."""
-    if isinstance(text, int):
-        return text
-    t = text.strip().upper()
-    for unit, mult in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1)):
-        if t.endswith(unit):
-            return int(float(t[: -len(unit)]) * mult)
-    return int(t)
 
 
 def read_config(path: str) -> dict:
@@ -153,7 +140,7 @@ class ShardedWriter:
         when sharded, renames the directory to dst. Returns the shard file names."""
         self.flush()
         n = len(self.shards)
-        names = ["model.safetensors"] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        names = shard_names(n)
         weight_map = {}
         for k, (keys, name) in enumerate(zip(self.shards, names)):
             os.rename(os.path.join(self.tmp, f"shard-{k:05d}.safetensors"), os.path.join(self.tmp, name))

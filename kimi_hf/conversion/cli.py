@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..cli import ArgumentParser
+from .safetensors_stream import parse_size
 
 
 KIMI_LINEAR_DOC = """Convert Kimi Linear checkpoints between Moonshot's / transformers' `kimi_linear` naming and kimi_hf's.
@@ -36,16 +37,11 @@ layer is left out and initialised at load time (a note says so).
 
 
 def shard_size(text: str) -> int:
-    """argparse type of --max-shard-size: '5GB', '500MB', '100KB' or a number of bytes, > 0."""
-    from .checkpoint import parse_size
-
+    """argparse type of --max-shard-size (every converter's): '5GB', '500MB', '100KB' or a number of bytes, > 0."""
     try:
-        size = parse_size(text)
-    except ValueError:
-        size = 0
-    if size <= 0:
-        raise argparse.ArgumentTypeError(f"invalid size {text!r} (e.g. 5GB, 500MB, 100KB or a number of bytes)")
-    return size
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _dtype(name):

@@ -146,49 +146,61 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class DequantizeMxfp4(ConversionOps):
-    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's dtype, losslessly:
-    each `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale` [out, in/32] becomes one [out, in] tensor
-    (per expert, stacked: [E, out, in]), kept under the packed tensor's source pattern so that the next ops
-    (MergeModulelist, Concatenate) see one tensor per w1 / w3 / w2, in the source patterns' order."""
-
-    def __init__(self, dtype: torch.dtype = torch.bfloat16):
-        self.dtype = dtype
+    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts
+    tensor, losslessly, in one pass: each expert's `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale`
+    [out, in/32] is decoded straight into its slice of the target [E, sum of outs, in] (w1 rows then w3 rows for
+    gate_up_proj, as the source patterns are ordered; w2 alone for down_proj), so one layer's experts exist once
+    in the model's dtype while they load (no stacked copy, no concatenation copy)."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         from .mxfp4_kimi_hybrid import dequantize_mxfp4
 
-        dtype = self.dtype
+        dtype = torch.bfloat16
         if model is not None and full_layer_name is not None:
             try:
                 dtype = model.get_parameter(full_layer_name).dtype
             except AttributeError:
                 pass
-        out = {}
+        parts = []  # (pattern, packed list, scale list)
         for pattern in source_patterns:
             if not pattern.endswith("weight_packed"):
                 continue
-            packed = input_dict.pop(pattern)
+            packed = input_dict.pop(pattern, None)
             scales = input_dict.pop(pattern.replace("weight_packed", "weight_scale"), None)
+            if packed is None or scales is None:
+                raise ValueError(f"{full_layer_name}: {pattern} and its weight_scale must both be in the checkpoint")
             packed = packed if isinstance(packed, list) else [packed]
-            if scales is None:
-                raise ValueError(f"{full_layer_name}: {pattern} has no weight_scale beside it")
             scales = scales if isinstance(scales, list) else [scales]
             if len(scales) != len(packed):
                 raise ValueError(
                     f"{full_layer_name}: {len(packed)} {pattern} tensors but {len(scales)} weight_scale tensors"
                 )
-            name = f"{full_layer_name} ({pattern})"
-            packed, scales = [_as_bytes(t, name) for t in packed], [_as_bytes(t, name) for t in scales]
-            first = dequantize_mxfp4(packed[0], scales[0], dtype=dtype, name=name)
-            stacked = torch.empty(len(packed), *first.shape, dtype=dtype, device=first.device)
-            stacked[0] = first
-            for e in range(1, len(packed)):
-                stacked[e] = dequantize_mxfp4(packed[e], scales[e], dtype=dtype, name=f"{name}[{e}]")
-            out[pattern] = stacked
+            parts.append((pattern, packed, scales))
         if input_dict:
             raise ValueError(f"{full_layer_name}: unexpected tensors beside the MXFP4 experts: {list(input_dict)}")
-        return out
+        experts = {len(packed) for _, packed, _ in parts}
+        if len(experts) != 1:
+            raise ValueError(
+                f"{full_layer_name}: the MXFP4 tensors disagree on the number of experts: {sorted(experts)}"
+            )
+        E = experts.pop()
+        rows = [packed[0].shape[-2] for _, packed, _ in parts]
+        cols = {2 * packed[0].shape[-1] for _, packed, _ in parts}
+        if len(cols) != 1:
+            raise ValueError(f"{full_layer_name}: the MXFP4 tensors disagree on the input width: {sorted(cols)}")
+        out = torch.empty(E, sum(rows), cols.pop(), dtype=dtype, device=parts[0][1][0].device)
+        start = 0
+        for (pattern, packed, scales), n in zip(parts, rows):
+            name = f"{full_layer_name} ({pattern})"
+            for e in range(E):
+                p, s = _as_bytes(packed[e], name), _as_bytes(scales[e], name)
+                if p.shape[-2] != n:
+                    raise ValueError(f"{name}[{e}]: {p.shape[-2]} rows, expert 0 has {n}")
+                out[e, start : start + n] = dequantize_mxfp4(p, s, dtype=dtype, name=f"{name}[{e}]")
+                packed[e] = scales[e] = None  # the source bytes go as soon as they are decoded
+            start += n
+        return {target_patterns[0]: out}
 
     @property
     def reverse_op(self):
@@ -268,12 +280,12 @@ def k3_mapping() -> list:
                 "mlp.experts.*.w3.weight_scale",
             ],
             target_patterns="mlp.experts.gate_up_proj",
-            operations=[DequantizeMxfp4(), MergeModulelist(dim=0), Concatenate(dim=1)],
+            operations=[DequantizeMxfp4()],
         ),
         LoadOnlyConverter(
             source_patterns=["mlp.experts.*.w2.weight_packed", "mlp.experts.*.w2.weight_scale"],
             target_patterns="mlp.experts.down_proj",
-            operations=[DequantizeMxfp4(), MergeModulelist(dim=0)],
+            operations=[DequantizeMxfp4()],
         ),
     ]
     query = [

@@ -88,6 +88,24 @@ def timed(fn, repeats: int, warmup: int = 1, budget_s: float | None = None, min_
     return Timing(tuple(times))
 
 
+def decode_step_times(model, prompt_len: int, new_tokens: int, vocab_size: int, low: int = 3) -> Timing:
+    """The time of each greedy decoding step (one token over the cache) after a random prompt of prompt_len
+    tokens drawn from [low, vocab_size)."""
+    import torch
+
+    with torch.no_grad():
+        x = torch.randint(low, vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+        out = model(input_ids=x, use_cache=True)
+        cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        times = []
+        for _ in range(new_tokens):
+            t0 = time.perf_counter()
+            out = model(input_ids=tok, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            times.append(time.perf_counter() - t0)
+    return Timing(tuple(times))
+
+
 def spread_cell(*timings: Timing) -> str:
     """The worst spread of `timings` as a table cell: '7%', '41% !' when noisy, 'n/a' when unknown."""
     spreads = [t.spread for t in timings if not math.isnan(t.spread)]

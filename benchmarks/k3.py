@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
 
 sys.modules.setdefault("fla", None)
@@ -33,72 +32,31 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
+from common import argument_parser, decode_step_times, spread_cell, spread_warning, timed, warn  # noqa: E402
 
-from kimi_hf import KimiK3Config, KimiK3ForConditionalGeneration  # noqa: E402
+from kimi_hf import KimiK3ForConditionalGeneration  # noqa: E402
+from kimi_hf.quickstart import small_k3_config  # noqa: E402
 
 
-def k3_config(hidden: int, layers: int, k3_parts: bool = True) -> KimiK3Config:
-    """A small K3-architecture config; k3_parts=False turns Attention Residuals and LatentMoE off."""
-    kda = [i + 1 for i in range(layers) if (i + 1) % 4 and i < layers - 1]
-    text = dict(
+def k3_config(hidden: int, layers: int, k3_parts: bool = True):
+    """The benchmark's K3 (see kimi_hf.quickstart.small_k3_config): 4 heads, MLA heads of 32, 16 experts top-4,
+    AttnRes every 4 layers; k3_parts=False turns Attention Residuals and LatentMoE off."""
+    return small_k3_config(
+        hidden,
+        layers,
         vocab_size=1024,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        q_lora_rank=hidden // 2,
-        kv_lora_rank=hidden // 2,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
-        num_experts=16,
-        num_experts_per_token=4,
-        num_shared_experts=1,
-        linear_attn_config=dict(
-            num_heads=4,
-            head_dim=hidden // 4,
-            short_conv_kernel_size=4,
-            use_full_rank_gate=True,
-            gate_lower_bound=-5.0,
-            kda_layers=kda,
-            full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda],
-        ),
-        first_k_dense_replace=1,
-        pad_token_id=0,
+        heads=4,
+        mla_head_dim=32,
+        experts=16,
+        top_k=4,
+        attn_res_block_size=4,
+        k3_parts=k3_parts,
+        vision_hidden=64,
+        media_token_id=3,
         bos_token_id=1,
         eos_token_id=2,
+        pad_token_id=0,
     )
-    if k3_parts:
-        text.update(attn_res_block_size=4, routed_expert_hidden_size=hidden // 2, latent_moe_use_norm=True)
-    else:
-        text.update(attn_residual="none", routed_expert_hidden_size=None, latent_moe_use_norm=False)
-    vision = dict(
-        vt_hidden_size=64,
-        vt_num_hidden_layers=1,
-        vt_num_attention_heads=2,
-        qkv_hidden_size=64,
-        vt_intermediate_size=128,
-        init_pos_emb_height=8,
-        init_pos_emb_width=8,
-        text_hidden_size=hidden,
-    )
-    return KimiK3Config(text_config=text, vision_config=vision, media_placeholder_token_id=3, pad_token_id=0)
-
-
-@torch.no_grad()
-def decode_step_times(model, prompt_len: int, new_tokens: int) -> Timing:
-    x = torch.randint(4, 1024, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    out = model(input_ids=x, use_cache=True)
-    cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(new_tokens):
-        t0 = time.perf_counter()
-        out = model(input_ids=tok, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return Timing(tuple(times))
 
 
 LOAD_CHILD = """
@@ -180,8 +138,8 @@ def main(argv=None):
     print(f"\n## decode (greedy, B=1, prompt 128, {args.decode_tokens} tokens; spread: of the token times)")
     print("| K3 tokens/s | off tokens/s | spread | K3 / off time |")
     print("|---|---|---|---|")
-    t_k3 = decode_step_times(k3, 128, args.decode_tokens)
-    t_off = decode_step_times(plain, 128, args.decode_tokens)
+    t_k3 = decode_step_times(k3, 128, args.decode_tokens, 1024, low=4)  # 3 is the image slot
+    t_off = decode_step_times(plain, 128, args.decode_tokens, 1024, low=4)
     print(
         f"| {1 / t_k3.median:.0f} | {1 / t_off.median:.0f} | {spread_cell(t_k3, t_off)} | "
         f"{t_k3.median / t_off.median:.2f}x |"

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import Timing, argument_parser, spread_cell, spread_warning, timed, warn  # noqa: E402
+from common import Timing, argument_parser, decode_step_times, spread_cell, spread_warning, timed, warn  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
@@ -61,21 +61,6 @@ def models():
     torch.manual_seed(0)
     native = KimiLinearForCausalLM(KimiLinearConfig(**SIZE, num_local_experts=EXPERTS, num_key_value_heads=4)).eval()
     return ours, native
-
-
-@torch.no_grad()
-def decode_step_times(model, prompt_len, new_tokens) -> Timing:
-    """The time of each greedy decoding step after a prompt of prompt_len tokens."""
-    x = torch.randint(3, SIZE["vocab_size"], (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    out = model(x, use_cache=True)
-    cache, tok = out.past_key_values, out.logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(new_tokens):
-        t0 = time.perf_counter()
-        out = model(tok, past_key_values=cache, use_cache=True)
-        tok = out.logits[:, -1:].argmax(-1)
-        times.append(time.perf_counter() - t0)
-    return Timing(tuple(times))
 
 
 @torch.no_grad()
@@ -145,8 +130,8 @@ def main(argv=None):
     print("|---|---|---|---|---|")
     times = {}
     for prompt in (128, max(args.T)):
-        t_ours = decode_step_times(ours, prompt, args.decode_tokens)
-        t_nat = decode_step_times(native, prompt, args.decode_tokens)
+        t_ours = decode_step_times(ours, prompt, args.decode_tokens, SIZE["vocab_size"])
+        t_nat = decode_step_times(native, prompt, args.decode_tokens, SIZE["vocab_size"])
         times.update({f"decode prompt={prompt} ours": t_ours, f"decode prompt={prompt} native": t_nat})
         print(
             f"| {prompt} | {1 / t_ours.median:.0f} | {1 / t_nat.median:.0f} | {spread_cell(t_ours, t_nat)} | "

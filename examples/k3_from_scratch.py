@@ -21,69 +21,11 @@ from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
-from kimi_hf import KimiK3Config, KimiK3ForConditionalGeneration
+from kimi_hf import KimiK3ForConditionalGeneration
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
-
-
-MEDIA_ID = 258  # a byte-level vocabulary of 259: bytes, then BOS / EOS / PAD (PAD doubles as the image slot)
-
-
-def small_k3_config(hidden: int = 96, layers: int = 6) -> KimiK3Config:
-    """A small K3: KDA at 1-based layers 1, 2, 3, 5 (MLA at 4 and the last ones, as K3's pattern), dense layer
-    0, Block Attention Residuals every 2 layers, 8 latent experts top-2."""
-    kda = [i + 1 for i in range(layers) if (i + 1) % 4 and i < layers - 1]
-    text = dict(
-        vocab_size=259,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=2,
-        q_lora_rank=hidden // 2,
-        kv_lora_rank=hidden // 2,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=8,
-        num_experts_per_token=2,
-        num_shared_experts=1,
-        routed_expert_hidden_size=hidden // 2,
-        latent_moe_use_norm=True,
-        attn_res_block_size=2,
-        linear_attn_config=dict(
-            num_heads=2,
-            head_dim=hidden // 2,
-            short_conv_kernel_size=4,
-            use_full_rank_gate=True,
-            gate_lower_bound=-5.0,
-            kda_layers=kda,
-            full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda],
-        ),
-        first_k_dense_replace=1,
-        pad_token_id=PAD_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-    )
-    vision = dict(
-        vt_hidden_size=32,
-        vt_num_hidden_layers=1,
-        vt_num_attention_heads=2,
-        qkv_hidden_size=32,
-        vt_intermediate_size=64,
-        init_pos_emb_height=8,
-        init_pos_emb_width=8,
-        text_hidden_size=hidden,
-    )
-    return KimiK3Config(
-        text_config=text,
-        vision_config=vision,
-        media_placeholder_token_id=MEDIA_ID,
-        bos_token_id=BOS_ID,
-        eos_token_id=EOS_ID,
-        pad_token_id=PAD_ID,
-    )
+from kimi_hf.quickstart import small_k3_config
 
 
 class Windows(Dataset):
@@ -112,7 +54,9 @@ def main(argv=None):
 
     torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)
-    model = KimiK3ForConditionalGeneration(small_k3_config(args.hidden))
+    # byte-level vocabulary of 259: bytes, then BOS / EOS / PAD (PAD doubles as the unused image slot)
+    config = small_k3_config(args.hidden, bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID)
+    model = KimiK3ForConditionalGeneration(config)
     n = sum(p.numel() for p in model.parameters())
     print(f"K3-architecture model: {n / 1e6:.2f}M parameters ({model.config.text_config.num_hidden_layers} layers)")
     corpus = ByteCorpus(max_bytes=1_000_000)

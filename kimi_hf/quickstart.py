@@ -113,6 +113,86 @@ def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84,
     return KimiHybridForConditionalGeneration(config)
 
 
+def small_k3_config(
+    hidden: int = 96,
+    layers: int = 6,
+    *,
+    vocab_size: int = 259,
+    heads: int = 2,
+    mla_head_dim: int = 16,
+    experts: int = 8,
+    top_k: int = 2,
+    attn_res_block_size: int = 2,
+    k3_parts: bool = True,
+    vision_hidden: int = 32,
+    media_token_id: int = 258,
+    bos_token_id: int = 256,
+    eos_token_id: int = 257,
+    pad_token_id: int = 258,
+):
+    """A small Kimi K3-architecture KimiK3Config, in the released config's field names: K3's layer pattern (KDA
+    at 1-based layers not divisible by 4, MLA there and last), a dense layer 0, the safe gate and full-rank KDA
+    output gate, gated MLA with q LoRA (nope = v = mla_head_dim, rope = half), SiTU, Stable LatentMoE (latent
+    hidden / 2, one shared expert) and Block AttnRes every attn_res_block_size layers, a one-block MoonViT3d
+    tower. k3_parts=False turns Attention Residuals and LatentMoE off (experts at the full width), the rest
+    unchanged: the comparison benchmarks/k3.py makes."""
+    from . import KimiK3Config
+
+    kda = [i + 1 for i in range(layers) if (i + 1) % 4 and i < layers - 1]
+    text = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=hidden // 2,
+        qk_nope_head_dim=mla_head_dim,
+        qk_rope_head_dim=mla_head_dim // 2,
+        v_head_dim=mla_head_dim,
+        num_experts=experts,
+        num_experts_per_token=top_k,
+        num_shared_experts=1,
+        linear_attn_config=dict(
+            num_heads=heads,
+            head_dim=hidden // heads,
+            short_conv_kernel_size=4,
+            use_full_rank_gate=True,
+            gate_lower_bound=-5.0,
+            kda_layers=kda,
+            full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda],
+        ),
+        first_k_dense_replace=1,
+        pad_token_id=pad_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    if k3_parts:
+        text.update(attn_res_block_size=attn_res_block_size, routed_expert_hidden_size=hidden // 2)
+        text.update(latent_moe_use_norm=True)
+    else:
+        text.update(attn_residual="none", routed_expert_hidden_size=None, latent_moe_use_norm=False)
+    vision = dict(
+        vt_hidden_size=vision_hidden,
+        vt_num_hidden_layers=1,
+        vt_num_attention_heads=2,
+        qkv_hidden_size=vision_hidden,
+        vt_intermediate_size=2 * vision_hidden,
+        init_pos_emb_height=8,
+        init_pos_emb_width=8,
+        text_hidden_size=hidden,
+    )
+    return KimiK3Config(
+        text_config=text,
+        vision_config=vision,
+        media_placeholder_token_id=media_token_id,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+    )
+
+
 def _nearest_existing(path: str) -> str:
     path = os.path.abspath(path)
     while not os.path.lexists(path):

@@ -29,6 +29,8 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, k3_stop_token_ids
+
 
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)
 KIMI_PATTERN = "|".join(
@@ -45,27 +47,8 @@ KIMI_PATTERN = "|".join(
 )
 RESERVED = 256
 
-# Kimi K3's added tokens by offset from the number of BPE ranks (163584 in the released tiktoken.model):
-# offset -> (content, special). The offsets not listed are `<|reserved_token_{id}|>` (special).
-K3_SPECIAL_TOKENS = {
-    0: ("[BOS]", True),
-    1: ("[EOS]", True),  # the tokenizer's eos: end of document
-    2: ("<|end_of_msg|>", True),  # end of a chat message: K3's config / generation eos
-    3: ("<|open|>", True),
-    4: ("<|close|>", False),  # not special: `<|close|>message<|sep|>` survives skip_special_tokens
-    5: ("<|sep|>", False),
-    6: ("[start_header_id]", True),
-    7: ("[end_header_id]", True),
-    9: ("[EOT]", True),
-    18: ("<|media_begin|>", True),
-    19: ("<|media_content|>", True),
-    20: ("<|media_end|>", True),
-    21: ("<|media_pad|>", True),  # the image placeholder (media_placeholder_token_id)
-    65: ("<osagent_mode>", True),
-    254: ("[UNK]", True),
-    255: ("[PAD]", True),
-}
-K3_TURN_END = "<|end_of_msg|>"
+K3_SPECIAL_TOKENS = K3_TOKEN_OFFSETS  # K3's added tokens by offset (one table, beside K3's chat template)
+K3_TURN_END = K3_STOP_TOKEN
 K2_TURN_END = "<|im_end|>"
 # the roles K3's tokenizer_config.json gives its tokens, used where a K3 config leaves one out
 K3_ROLES = {"bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]"}
@@ -219,9 +202,9 @@ def chat_stop_token_ids(tokenizer) -> list[int]:
     family = tokenizer_family(tokenizer)
     if family is None:
         return eos
-    turn_end = tokenizer.convert_tokens_to_ids(K3_TURN_END if family == "k3" else K2_TURN_END)
     if family == "k3":
-        return [turn_end] + [i for i in eos if i != turn_end]
+        return k3_stop_token_ids(tokenizer)
+    turn_end = tokenizer.convert_tokens_to_ids(K2_TURN_END)
     return eos + [turn_end] * (turn_end not in eos)
 
 

@@ -85,18 +85,24 @@ MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
 BOS, EOS, PAD, UNK = "[BOS]", "[EOS]", "[PAD]", "[UNK]"
 XTML_TOKENS = [END_OF_MSG, OPEN, CLOSE, SEP]
 MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD]
-# K3's added tokens by offset from the number of BPE ranks (163584 in the release): (content, special)
+# Kimi K3's added tokens by offset from the number of BPE ranks (163584 in the released tiktoken.model):
+# offset -> (content, special); the offsets not listed are `<|reserved_token_{id}|>` (special). The one table:
+# kimi_hf.conversion.tokenizer builds K3's fast tokenizer from it.
 K3_TOKEN_OFFSETS = {
     0: (BOS, True),
-    1: (EOS, True),
-    2: (END_OF_MSG, True),
+    1: (EOS, True),  # the tokenizer's eos: end of document
+    2: (END_OF_MSG, True),  # end of a chat message: K3's config / generation eos
     3: (OPEN, True),
-    4: (CLOSE, False),
+    4: (CLOSE, False),  # not special: `<|close|>message<|sep|>` survives skip_special_tokens
     5: (SEP, False),
+    6: ("[start_header_id]", True),
+    7: ("[end_header_id]", True),
+    9: ("[EOT]", True),
     18: (MEDIA_BEGIN, True),
     19: (MEDIA_CONTENT, True),
     20: (MEDIA_END, True),
-    21: (MEDIA_PAD, True),
+    21: (MEDIA_PAD, True),  # the image placeholder (media_placeholder_token_id)
+    65: ("<osagent_mode>", True),
     254: (UNK, True),
     255: (PAD, True),
 }

@@ -12,7 +12,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
-from .configuration_kimi_hybrid_vision import KimiHybridVisionConfig
+from .configuration_kimi_hybrid_vision import TRANSFORMERS_GENERIC_FIELDS, KimiHybridVisionConfig
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
@@ -131,74 +131,18 @@ _MOONSHOT_FIXED = {
     "moe_layer_freq": (1,),
     "num_nextn_predict_layers": (0,),
 }
-# Generic fields transformers (or its older versions) writes into every config.json: not architecture.
-_GENERIC_FIELDS = {
-    "_name_or_path",
-    "name_or_path",
-    "torch_dtype",
-    "dtype",
-    "transformers_version",
-    "architectures",
-    "auto_map",
-    "num_labels",
-    "id2label",
-    "label2id",
-    "problem_type",
-    "return_dict",
-    "output_hidden_states",
-    "output_attentions",
-    "torchscript",
-    "use_bfloat16",
-    "tf_legacy_loss",
-    "pruned_heads",
-    "tie_encoder_decoder",
-    "is_decoder",
-    "is_encoder_decoder",
-    "add_cross_attention",
-    "cross_attention_hidden_size",
-    "chunk_size_feed_forward",
-    "finetuning_task",
-    "prefix",
-    "sep_token_id",
-    "decoder_start_token_id",
-    "tokenizer_class",
-    "task_specific_params",
-    "bad_words_ids",
-    "begin_suppress_tokens",
-    "suppress_tokens",
-    "diversity_penalty",
-    "do_sample",
-    "early_stopping",
-    "encoder_no_repeat_ngram_size",
-    "exponential_decay_length_penalty",
-    "forced_bos_token_id",
-    "forced_eos_token_id",
-    "length_penalty",
-    "max_length",
-    "min_length",
-    "no_repeat_ngram_size",
-    "num_beam_groups",
-    "num_beams",
-    "num_return_sequences",
-    "output_scores",
-    "remove_invalid_values",
-    "repetition_penalty",
-    "return_dict_in_generate",
-    "temperature",
-    "top_k",
-    "top_p",
-    "typical_p",
-    "attn_implementation",
-    "experts_implementation",
+# plus the generic fields a text config.json of Moonshot or transformers carries: not architecture
+_GENERIC_FIELDS = TRANSFORMERS_GENERIC_FIELDS | {
     "_attn_implementation_autoset",
     "_commit_hash",
-    "rope_theta",
-    "rope_scaling",
-    "rope_parameters",
-    "quantization_config",
-    "use_grouped_topk",
+    "_name_or_path",
     "ignore_index",
     "pretraining_tp",  # Llama-era field transformers' kimi_linear still writes (1: no effect)
+    "quantization_config",
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "use_grouped_topk",
 }
 
 

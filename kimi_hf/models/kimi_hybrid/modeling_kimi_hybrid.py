@@ -1008,6 +1008,7 @@ def lm_output(
     attention_mask,
     logits_to_keep,
     output_router_logits: bool,
+    output_cls: type = MoeCausalLMOutputWithPast,
     **kwargs,
 ) -> MoeCausalLMOutputWithPast:
     """The language-model head on a decoder's outputs: logits (of the last `logits_to_keep` positions),
@@ -1023,14 +1024,17 @@ def lm_output(
         aux_loss = router_load_balancing_loss(outputs.router_logits, routers, attention_mask)
         if loss is not None:
             loss = loss + text_config.router_aux_loss_coef * aux_loss.to(loss.device)
-    return MoeCausalLMOutputWithPast(
+    # the multimodal model's output class also carries image_outputs (the vision tower's, passed through)
+    extra = {"image_outputs": outputs.image_outputs} if output_cls is not MoeCausalLMOutputWithPast else {}
+    return output_cls(
         loss=loss,
         aux_loss=aux_loss,
         logits=logits,
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
         router_logits=outputs.router_logits,
-        **_cache_field(MoeCausalLMOutputWithPast, _output_cache(outputs)),
+        **extra,
+        **_cache_field(output_cls, _output_cache(outputs)),
     )
 
 

@@ -238,10 +238,17 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
             output_router_logits=output_router_logits,
             **kwargs,
         )
-        output = lm_output(
-            self, outputs, text_config, labels, attention_mask, logits_to_keep, output_router_logits, **kwargs
+        return lm_output(
+            self,
+            outputs,
+            text_config,
+            labels,
+            attention_mask,
+            logits_to_keep,
+            output_router_logits,
+            output_cls=MultimodalMoeCausalLMOutputWithPast,
+            **kwargs,
         )
-        return MultimodalMoeCausalLMOutputWithPast(**output, image_outputs=outputs.image_outputs)
 
 
 __all__ = ["KimiHybridModel", "KimiHybridForConditionalGeneration", "KimiHybridMultimodalPreTrainedModel"]

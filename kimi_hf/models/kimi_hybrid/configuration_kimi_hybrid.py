@@ -146,6 +146,35 @@ _GENERIC_FIELDS = TRANSFORMERS_GENERIC_FIELDS | {
 }
 
 
+_GENERATION_BOILERPLATE = {
+    "bad_words_ids",
+    "begin_suppress_tokens",
+    "suppress_tokens",
+    "diversity_penalty",
+    "do_sample",
+    "early_stopping",
+    "encoder_no_repeat_ngram_size",
+    "exponential_decay_length_penalty",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "length_penalty",
+    "max_length",
+    "min_length",
+    "no_repeat_ngram_size",
+    "num_beam_groups",
+    "num_beams",
+    "num_return_sequences",
+    "output_scores",
+    "remove_invalid_values",
+    "repetition_penalty",
+    "return_dict_in_generate",
+    "temperature",
+    "top_k",
+    "top_p",
+    "typical_p",
+}
+
+
 def _check_moonshot_fields(kwargs: dict, strict: bool) -> None:
     """Pops the Moonshot fields this model understands; ValueError for a value of one we implement differently.
     strict (a config in Moonshot's format: Kimi Linear's / K3's config.json): ValueError naming any other field that
@@ -158,6 +187,9 @@ def _check_moonshot_fields(kwargs: dict, strict: bool) -> None:
         raise ValueError("use_grouped_topk = False with num_expert_group > 1 is not supported")
     if kwargs.get("rope_scaling"):
         raise ValueError(f"rope_scaling = {kwargs['rope_scaling']!r}: this model's MLA uses no positional encoding")
+    if strict:  # transformers 4.x wrote its generation defaults into Moonshot's config.json (max_length 20, ...):
+        for name in _GENERATION_BOILERPLATE & set(kwargs):  # they would become this model's generation config
+            kwargs.pop(name)
     unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
     if strict and unknown:
         raise ValueError(f"config fields this model does not implement: {unknown}")

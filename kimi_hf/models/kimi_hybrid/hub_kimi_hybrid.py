@@ -147,7 +147,8 @@ def model_card(model) -> str:
     """README.md for a saved model: architecture, layer layout, parameter counts, how to load."""
     config = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    multimodal = config.model_type == "kimi_hybrid"
+    k3 = config.model_type == "kimi_k3"
+    multimodal = config.model_type == "kimi_hybrid" or k3
     total = _count(model)
     vision = _count(getattr(getattr(model, "model", model), "vision_tower", None)) if multimodal else 0
     lines = ["---", "library_name: transformers", "tags:", "- kimi_hf", "- kimi-delta-attention", "- hybrid-attention"]
@@ -157,12 +158,18 @@ def model_card(model) -> str:
     lines += ["---", "", f"# {type(model).__name__}", ""]
     if hasattr(text, "layer_types"):
         n_kda = sum(t == "linear_attention" for t in text.layer_types)
-        experts = text.num_experts * 3 * text.hidden_size * text.moe_intermediate_size  # routed experts of one layer
+        width = text.routed_expert_hidden_size or text.hidden_size  # Stable LatentMoE's experts run in the latent
+        experts = text.num_experts * 3 * width * text.moe_intermediate_size  # routed experts of one layer
         idle = experts * (text.num_experts - text.num_experts_per_tok) // text.num_experts  # not used by a token
         n_moe = sum(t == "sparse" for t in text.mlp_layer_types)
+        what = (
+            "Kimi K3's architecture in its released layout (safe-gate KDA, gated MLA with q LoRA, SiTU, Stable "
+            "LatentMoE, Block Attention Residuals, a MoonViT3d tower), saved with kimi_hf: Kimi Delta Attention"
+            if k3
+            else "A hybrid decoder in Kimi Linear's layout, built with kimi_hf: Kimi Delta Attention"
+        )
         lines += [
-            "A hybrid decoder in Kimi Linear's layout, built with kimi_hf: Kimi Delta "
-            "Attention (linear attention with per-channel forgetting) mixed with MLA full attention, and "
+            what + " (linear attention with per-channel forgetting) mixed with MLA full attention, and "
             "DeepSeek-V3-style MoE feed-forward layers."
             + (
                 " Early fusion: a MoonViT vision tower's merged patches are written into the image "

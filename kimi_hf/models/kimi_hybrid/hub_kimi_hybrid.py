@@ -55,6 +55,8 @@ AUTO_MAPS = {
         "AutoConfig": "configuration_kimi_k3.KimiK3Config",
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
+        "AutoImageProcessor": "image_processing_kimi_hybrid.KimiK3ImageProcessor",
+        "AutoProcessor": "processing_kimi_k3.KimiK3Processor",
     },
 }
 # processor classes: saved beside the config in their own files, not in config.json's auto_map

@@ -10,6 +10,7 @@ the router weight, experts re-packed as MXFP4 or written as plain `.weight` tens
 """
 
 import contextlib
+import os
 import re
 
 import torch
@@ -164,6 +165,37 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
                 "sharded before it is narrowed); load on one process (device_map='auto' spreads it over devices)"
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+
+    def adjust_generation_fn(self, generation_config, from_auto_class, from_pipeline, path, *args, **kwargs):
+        """Without a generation_config.json, transformers builds the generation config from config.json's raw
+        text_config, where the release keeps transformers 4.x's generation defaults in full (`max_length: 20`,
+        ...: boilerplate of the writer, not settings; they would cap or override every `generate`). The
+        generation config then comes from the parsed config instead: bos, eos <|end_of_msg|>, pad."""
+        super().adjust_generation_fn(generation_config, from_auto_class, from_pipeline, path, *args, **kwargs)
+        if generation_config is not None or path is None:
+            return
+        from transformers import GenerationConfig
+        from transformers.utils import cached_file
+
+        subfolder = kwargs.get("subfolder") or ""
+        if os.path.isdir(path):
+            found = os.path.isfile(os.path.join(path, subfolder, "generation_config.json"))
+        else:
+            options = {
+                k: kwargs.get(k) for k in ("cache_dir", "revision", "token", "local_files_only") if kwargs.get(k)
+            }
+            with contextlib.suppress(OSError, ValueError):
+                found = None
+                found = cached_file(
+                    path,
+                    "generation_config.json",
+                    subfolder=subfolder,
+                    _raise_exceptions_for_missing_entries=False,
+                    **options,
+                )
+            found = found is not None
+        if not found:
+            self.generation_config = GenerationConfig.from_model_config(self.config)
 
     def save_pretrained(self, save_directory, *args, experts_format: str | None = None, **kwargs):
         """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names.

@@ -24,11 +24,21 @@ from .chat_markup_kimi_hybrid import (  # noqa: F401  (re-exported: the markup's
 
 class KimiHybridProcessor(ProcessorMixin):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, chat_template=chat_template or CHAT_TEMPLATE)
+        super().__init__(image_processor, tokenizer, chat_template=chat_template or self.default_chat_template)
         self.image_token = getattr(tokenizer, "image_token", None) or IMAGE_TOKEN
         self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
         if self.image_token_id is None or self.image_token_id == tokenizer.unk_token_id:
             raise ValueError(f"the tokenizer has no {self.image_token!r} token (the image placeholder)")
+
+    default_chat_template = CHAT_TEMPLATE
+
+    def image_placeholder_for(self, texts: list[str]) -> str:
+        """The text that stands for one image in these prompts (K2.5's markup: the pad token itself)."""
+        return self.image_token
+
+    def image_prompt(self, placeholder: str, tokens: int, height: int, width: int) -> str:
+        """What one placeholder becomes for an image of height x width pixels taking `tokens` features."""
+        return self.image_token * tokens
 
     def __call__(self, images=None, text=None, **kwargs) -> BatchFeature:
         """text: a string or a list of strings with one placeholder per image; images: an image, a list
@@ -42,36 +52,40 @@ class KimiHybridProcessor(ProcessorMixin):
         return_tensors = kwargs.pop("return_tensors", "pt")
         kwargs.pop("images_kwargs", None)
         image_inputs = {}
-        slots = sum(t.count(self.image_token) for t in texts)
+        placeholder = self.image_placeholder_for(texts)
+        slots = sum(t.count(placeholder) for t in texts)
         if images is not None and not (isinstance(images, (list, tuple)) and len(images) == 0):
-            image_inputs = self.image_processor(images, return_tensors="pt")
+            image_inputs = self.image_processor(images, return_tensors="pt", return_image_sizes=True)
+            sizes = image_inputs.pop("image_sizes").tolist()
             grid = image_inputs["image_grid_thw"]
             if slots != len(grid):
                 raise ValueError(
-                    f"text has {slots} image placeholders ({self.image_token}) but {len(grid)} images were given"
+                    f"text has {slots} image placeholders ({placeholder}) but {len(grid)} images were given"
                 )
             merge = self.image_processor.merge_size**2
-            counts = iter((grid.prod(-1) // merge).tolist())
-            marker = "\0image\0"  # expand each placeholder exactly once, in order
-            texts = [t.replace(self.image_token, marker) for t in texts]
+            prompts = iter(
+                self.image_prompt(placeholder, n, h, w) for n, (h, w) in zip((grid.prod(-1) // merge).tolist(), sizes)
+            )
+            # each placeholder expands exactly once, images in order across the batch
             texts = [
-                "".join(
-                    part if i == 0 else self.image_token * next(counts) + part
-                    for i, part in enumerate(t.split(marker))
-                )
+                "".join(part if i == 0 else next(prompts) + part for i, part in enumerate(t.split(placeholder)))
                 for t in texts
             ]
         elif slots:
-            raise ValueError(f"text has {slots} image placeholders ({self.image_token}) but no images were given")
+            raise ValueError(f"text has {slots} image placeholders ({placeholder}) but no images were given")
         text_kwargs = {k: v for k, v in kwargs.items() if k not in ("videos", "audio")}
         text_kwargs.pop("text_kwargs", None)
         encoded = self.tokenizer(texts, return_tensors=return_tensors, **text_kwargs)
         return BatchFeature(data={**encoded, **image_inputs}, tensor_type=return_tensors)
 
+    def stop_token_ids(self) -> list[int]:
+        """The ids chat generation stops on (added to a generation_config.json saved in the same folder)."""
+        return chat_stop_token_ids(self.tokenizer)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also makes a model saved in the same folder stop generating at the end of a chat turn."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
-        stop_at_turn_end(save_directory, self.tokenizer)
+        stop_at_turn_end(save_directory, self.stop_token_ids())
         return out
 
     def num_image_tokens(self, height: int, width: int) -> int:

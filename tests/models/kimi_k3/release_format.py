@@ -668,3 +668,98 @@ def _write_shards(folder: str, stored: dict[str, torch.Tensor], shards: int) -> 
     with open(os.path.join(folder, "model.safetensors.index.json"), "w") as f:
         json.dump(index, f, indent=2)
         f.write("\n")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The release's tokenizer and image-processor files (§3.10): tiktoken.model ("base64(token) rank" lines), the
+# added tokens at offsets from the number of ranks (special unless marked), preprocessor_config.json with its
+# settings nested under media_proc_cfg and an auto_map to the release's own remote code.
+# --------------------------------------------------------------------------------------------------------------
+
+K3_ADDED_TOKENS = {  # offset: (content, special), as K3.md §3.10 lists them
+    0: ("[BOS]", True),
+    1: ("[EOS]", True),
+    2: ("<|end_of_msg|>", True),
+    3: ("<|open|>", True),
+    4: ("<|close|>", False),
+    5: ("<|sep|>", False),
+    6: ("[start_header_id]", True),
+    7: ("[end_header_id]", True),
+    9: ("[EOT]", True),
+    18: ("<|media_begin|>", True),
+    19: ("<|media_content|>", True),
+    20: ("<|media_end|>", True),
+    21: ("<|media_pad|>", True),
+    65: ("<osagent_mode>", True),
+    254: ("[UNK]", True),
+    255: ("[PAD]", True),
+}
+K3_RESERVED = 256
+
+# a tiny config whose ids follow a 256-rank byte vocabulary (the tokenizer below): vocab 256 + 256 added
+TINY_CHAT_IDS = {"vocab_size": 512, "bos_token_id": 256, "eos_token_id": 258, "pad_token_id": 511}
+TINY_CHAT_MEDIA_PAD_ID = 256 + 21
+
+
+def tiny_k3_chat_config(**overrides) -> dict:
+    """`tiny_k3_config` with the token ids of `write_k3_tokenizer_files`' vocabulary (<|end_of_msg|> = eos)."""
+    return tiny_k3_config(**{**TINY_CHAT_IDS, **overrides}, top={"media_placeholder_token_id": TINY_CHAT_MEDIA_PAD_ID})
+
+
+def write_k3_tokenizer_files(folder: str | os.PathLike, merges: tuple[bytes, ...] = ()) -> int:
+    """Writes the release's tokenizer files: tiktoken.model (the 256 single bytes, then `merges`, in rank order)
+    and tokenizer_config.json (added_tokens_decoder; the release's tokenizer_class / auto_map point at its remote
+    code). Returns the number of ranks (the first added token's id)."""
+    import base64
+
+    folder = os.fspath(folder)
+    os.makedirs(folder, exist_ok=True)
+    ranks = [bytes([b]) for b in range(256)] + list(merges)
+    with open(os.path.join(folder, "tiktoken.model"), "wb") as f:
+        for rank, token in enumerate(ranks):
+            f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
+    n = len(ranks)
+    decoder = {
+        str(n + k): {
+            "content": K3_ADDED_TOKENS.get(k, (f"<|reserved_token_{n + k}|>", True))[0],
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": K3_ADDED_TOKENS.get(k, ("", True))[1],
+        }
+        for k in range(K3_RESERVED)
+    }
+    config = {
+        "added_tokens_decoder": decoder,
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+        "tokenizer_class": "TikTokenTokenizer",
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "model_max_length": 1048576,
+    }
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    return n
+
+
+def write_k3_preprocessor_config(folder: str | os.PathLike, **media_proc_cfg) -> None:
+    """The release's preprocessor_config.json: no image_processor_type, settings under media_proc_cfg."""
+    settings = {
+        "patch_size": 14,
+        "merge_kernel_size": 2,
+        "in_patch_limit": 65536,
+        "patch_limit_on_one_side": 512,
+        "fixed_output_tokens": None,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        **media_proc_cfg,
+    }
+    config = {
+        "auto_map": {"AutoImageProcessor": "kimi_k3_vision_processing.KimiK3VisionProcessor"},
+        "media_proc_cfg": settings,
+    }
+    with open(os.path.join(os.fspath(folder), "preprocessor_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

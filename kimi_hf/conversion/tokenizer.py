@@ -29,7 +29,8 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, k3_stop_token_ids
+from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # noqa: F401  (K3: <|end_of_msg|>, [EOS])
+from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS
 
 
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)
@@ -192,20 +193,6 @@ def tiktoken_to_fast(
         raise ValueError(f"added tokens did not land at ids {n} .. {n + RESERVED - 1}")
     fast.chat_template = chat_template or config.get("chat_template")
     return fast
-
-
-def chat_stop_token_ids(tokenizer) -> list[int]:
-    """The ids chat generation stops on, for a converted Kimi tokenizer (the generation config's
-    `eos_token_id`): K3: [<|end_of_msg|>, [EOS]] (K3's config eos, the end of every message, first; the
-    tokenizer's own eos second); K2 / Kimi-Linear: [eos, <|im_end|>]; otherwise [eos]."""
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    family = tokenizer_family(tokenizer)
-    if family is None:
-        return eos
-    if family == "k3":
-        return k3_stop_token_ids(tokenizer)
-    turn_end = tokenizer.convert_tokens_to_ids(K2_TURN_END)
-    return eos + [turn_end] * (turn_end not in eos)
 
 
 def generation_token_ids(tokenizer) -> dict:

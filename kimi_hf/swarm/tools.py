@@ -1,9 +1,12 @@
 """Tool calls: the swarm's two orchestrator tools, user tools from Python functions, and parsing.
 
 A tool call is parsed from generated text with transformers' own parser when the tokenizer carries a
-`response_template` (`tokenizer.parse_response`), else from Kimi's markup
+`response_template` (`tokenizer.parse_response`), else from Kimi K3's XTML markup
+(<|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|>...<|close|>call<|sep|><|close|>tools<|sep|>, read by
+`parse_k3_reply`), Kimi K2's markup
 (<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>) or the
-common <tool_call>{"name": ..., "arguments": {...}}</tool_call> form.
+common <tool_call>{"name": ..., "arguments": {...}}</tool_call> form. `format_tool_calls` writes K2's markup or,
+with markup="k3", the reply a K3 model writes (rendered by K3's chat template).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (
     TOOL_CALLS_BEGIN,
     TOOL_CALLS_END,
 )
+from ..models.kimi_hybrid.chat_template_kimi_k3 import CLOSE, OPEN, parse_k3_reply, render_k3_reply
 
 
 CREATE_SUBAGENT = {
@@ -122,6 +126,13 @@ def parse_tool_calls(
                     )
                 )
             return (message.get("content") or "").strip(), calls
+    if OPEN in text or CLOSE in text:  # K3's XTML markup (read leniently: malformed markup stays content)
+        message = parse_k3_reply(text, prefix=prefix, strict=False)
+        calls = [
+            ToolCall(c["function"]["name"], c["function"]["arguments"], f"functions.{c['function']['name']}:{i}")
+            for i, c in enumerate(message.get("tool_calls") or [])
+        ]
+        return (message.get("content") or "").strip(), calls
     calls = []
     for i, m in enumerate(_KIMI_CALL.finditer(text)):
         call_id = m["id"].strip() or f"call_{i}"
@@ -140,12 +151,20 @@ def parse_tool_calls(
     return content.strip(), calls
 
 
-def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: str = "") -> str:
+def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: str = "", markup: str = "kimi") -> str:
     """Text in Kimi's tool-call markup (what the chat template renders and the parser reads), for
-    scripted agents and for replaying messages: [(name, arguments), ...] or ToolCalls."""
+    scripted agents and for replaying messages: [(name, arguments), ...] or ToolCalls. markup="kimi": K2's
+    markup after `content`; "k3": the whole reply a K3 model writes after its generation prompt (think channel
+    closed, `content` in the response channel, the calls, `<|end_of_msg|>`)."""
+    pairs = [(c.name, c.arguments) if isinstance(c, ToolCall) else tuple(c) for c in calls]
+    if markup == "k3":
+        return render_k3_reply(
+            content, [{"type": "function", "function": {"name": name, "arguments": args}} for name, args in pairs]
+        )
+    if markup != "kimi":
+        raise ValueError(f"markup must be 'kimi' or 'k3', got {markup!r}")
     parts = []
-    for i, c in enumerate(calls):
-        name, args = (c.name, c.arguments) if isinstance(c, ToolCall) else c
+    for i, (name, args) in enumerate(pairs):
         args = args if isinstance(args, str) else json.dumps(args)
         parts.append(f"{TOOL_CALL_BEGIN}functions.{name}:{i}{TOOL_CALL_ARGUMENT_BEGIN}{args}{TOOL_CALL_END}")
     return content + (TOOL_CALLS_BEGIN + "".join(parts) + TOOL_CALLS_END if parts else "")

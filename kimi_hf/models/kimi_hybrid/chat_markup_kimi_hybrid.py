@@ -11,6 +11,8 @@ import os
 
 from transformers import GenerationConfig
 
+from .chat_template_kimi_k3 import K3_STOP_TOKEN, k3_stop_token_ids
+
 
 SYSTEM, USER, ASSISTANT, MIDDLE = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"
 TURN_END = "<|im_end|>"  # closes every chat turn: chat generation stops here (as well as at EOS)
@@ -91,7 +93,11 @@ RESPONSE_TEMPLATE = {
 def chat_stop_token_ids(tokenizer) -> list[int]:
     """The ids that chat generation stops on: the tokenizer's EOS and, where it has Kimi's markup, the end
     of a turn (<|im_end|>: the chat template closes every reply with it, so a model trained on chats
-    writes it, not EOS, when its reply is done). Use it as the model config's `eos_token_id`."""
+    writes it, not EOS, when its reply is done). A tokenizer with K3's markup: `k3_stop_token_ids`
+    (<|end_of_msg|> first, then EOS). Use it as the model config's `eos_token_id`."""
+    end_of_msg = tokenizer.convert_tokens_to_ids(K3_STOP_TOKEN)
+    if end_of_msg is not None and end_of_msg != tokenizer.unk_token_id:
+        return k3_stop_token_ids(tokenizer)
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     turn_end = tokenizer.convert_tokens_to_ids(TURN_END)
     if turn_end is not None and turn_end != tokenizer.unk_token_id and turn_end not in ids:

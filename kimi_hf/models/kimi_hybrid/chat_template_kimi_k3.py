@@ -634,6 +634,28 @@ def normalize_k3_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
+def render_k3_reply(content: str = "", tool_calls=(), reasoning_content: str | None = None, thinking: bool = True):
+    """The text a K3 model writes for this assistant message after the generation prompt (which opens the
+    think channel, or with `thinking=False` the response channel), up to and including `<|end_of_msg|>`:
+    rendered by K3_CHAT_TEMPLATE itself (transformers' Jinja renderer), so it is what training on the
+    message teaches. tool_calls: OpenAI-style calls (dict or JSON-string arguments, as the template takes them)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    message = {"role": "assistant", "content": content, "reasoning_content": reasoning_content}
+    if tool_calls:
+        message["tool_calls"] = list(tool_calls)
+    rendered, _ = render_jinja_template(
+        conversations=[normalize_k3_messages([message])],
+        chat_template=K3_CHAT_TEMPLATE,
+        thinking_effort=None,
+        enable_thinking=thinking,
+    )
+    start = GENERATION_PROMPT if thinking else ASSISTANT_HEADER + RESPONSE_OPEN
+    if not rendered[0].startswith(start):
+        raise ValueError(f"the K3 template rendered an assistant message that does not start with {start!r}")
+    return rendered[0][len(start) :]
+
+
 def k3_stop_token_ids(tokenizer) -> list[int]:
     """The ids K3 chat generation stops on: <|end_of_msg|> (the end of every message, K3's config eos), then
     the tokenizer's eos ([EOS], the end of a document) when it differs."""
@@ -681,5 +703,6 @@ __all__ = [
     "normalize_k3_messages",
     "unescape_attr",
     "k3_stop_token_ids",
+    "render_k3_reply",
     "use_k3_chat_markup",
 ]

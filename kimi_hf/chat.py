@@ -5,15 +5,27 @@ from __future__ import annotations
 import torch
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
+from .models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, parse_k3_reply
 
 
 @torch.no_grad()
 def generate_replies(
-    model, processor, conversations: list[list[dict]], images=None, max_new_tokens: int = 32, **generate_kwargs
+    model,
+    processor,
+    conversations: list[list[dict]],
+    images=None,
+    max_new_tokens: int = 32,
+    chat_template_kwargs: dict | None = None,
+    **generate_kwargs,
 ) -> list[str]:
     """One reply per conversation (a list of chat messages; image parts take `images` in order), in one
-    left-padded batch; greedy unless generate_kwargs say otherwise. Returns the stripped reply texts."""
-    prompts = [processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
+    left-padded batch; greedy unless generate_kwargs say otherwise. Returns the stripped reply texts (with
+    Kimi K3's markup: the response channel's text, read by parse_k3_reply). `chat_template_kwargs` go to
+    apply_chat_template (e.g. K3's thinking_effort)."""
+    options = dict(chat_template_kwargs or {})
+    prompts = [
+        processor.apply_chat_template(c, tokenize=False, add_generation_prompt=True, **options) for c in conversations
+    ]
     tokenizer = processor.tokenizer
     side, tokenizer.padding_side = tokenizer.padding_side, "left"  # generation continues the right edge
     try:
@@ -23,9 +35,12 @@ def generate_replies(
     finally:
         tokenizer.padding_side = side
     out = model.generate(**inputs, **{"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs})
-    return [
-        r.strip() for r in processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    ]
+    new = out[:, inputs["input_ids"].shape[1] :]
+    if K3_STOP_TOKEN in tokenizer.get_vocab():  # K3's XTML: the markup is in the text; the reply is a channel
+        texts = processor.batch_decode(new, skip_special_tokens=False)
+        replies = [parse_k3_reply(t, prefix=p, strict=False)["content"] for t, p in zip(texts, prompts)]
+        return [r.strip() for r in replies]
+    return [r.strip() for r in processor.batch_decode(new, skip_special_tokens=True)]
 
 
 __all__ = ["generate_replies", "chat_stop_token_ids", "TURN_END", "IMAGE_TOKEN"]

@@ -1,6 +1,6 @@
 """The `kimi-hf` command (also `python -m kimi_hf`).
 
-    kimi-hf quickstart [--size tiny|small|base] [--steps N] [--out DIR] [--device auto|cpu|cuda]
+    kimi-hf quickstart [--arch k3|kimi-linear] [--size tiny|small|base] [--steps N] [--out DIR] [--device auto|cpu|cuda]
     kimi-hf convert kimi-linear SRC DST [...]       kimi-hf convert k25-vision TEXT K25 DST [...]
     kimi-hf convert k3 SRC DST [...]                (Kimi K3 with its MXFP4 experts dequantised)
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
@@ -80,13 +80,13 @@ def _choose(
 
 
 def quickstart_parser() -> ArgumentParser:
-    from .quickstart import SIZES  # no torch import: --help stays fast
+    from .quickstart import ARCHS, SIZES  # no torch import: --help stays fast
 
     p = ArgumentParser(
         prog=f"{PROG} quickstart",
         formatter_class=_HelpFormatter,
         description="Build, train (MuonClip + Trainer), save, reload and try a small early-fusion "
-        "hybrid model, offline, in a few minutes on CPU. Writes OUT/model, OUT/trainer, OUT/loss.png, "
+        "model of the Kimi K3 architecture, offline, in a few minutes on CPU. Writes OUT/model, OUT/trainer, OUT/loss.png, "
         "OUT/question.png and OUT/summary.json (all checked before any work).",
     )
     p.add_argument(
@@ -95,12 +95,19 @@ def quickstart_parser() -> ArgumentParser:
         default="small",
         help="model size: " + "; ".join(f"{k}: hidden {v['hidden']}, {v['layers']} layers" for k, v in SIZES.items()),
     )
-    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument(
+        "--arch",
+        choices=sorted(ARCHS),
+        default="k3",
+        help="k3: Kimi K3's architecture, checkpoint layout and chat format; kimi-linear: the previous model "
+        "(Kimi Linear's decoder, Kimi K2's chat markup)",
+    )
+    p.add_argument("--steps", type=int, default=500, help="training steps")
     p.add_argument("--batch-size", type=int, default=16, help="examples per training step")
     p.add_argument("--lr", type=float, default=5e-3, help="MuonClip learning rate (cosine schedule)")
-    p.add_argument("--text-examples", type=int, default=2000, help="training examples of standard-library source text")
-    p.add_argument("--image-examples", type=int, default=2000, help="training examples of generated scenes to count")
-    p.add_argument("--eval-images", type=int, default=64, help="held-out scenes for the counting accuracy")
+    p.add_argument("--text-examples", type=int, default=1000, help="training examples of standard-library source text")
+    p.add_argument("--image-examples", type=int, default=4000, help="training examples of generated scenes to count")
+    p.add_argument("--eval-images", type=int, default=256, help="held-out scenes for the counting accuracy")
     p.add_argument("--out", default="outputs/quickstart", help="output directory (created if missing)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: CUDA when present")
     p.add_argument("--seed", type=int, default=0, help="seed of the data, the initialisation and the training order")
@@ -125,6 +132,7 @@ def _quickstart(argv):
         a.image_examples,
         a.eval_images,
         progress=not a.no_progress,
+        arch=a.arch,
     )
 
 

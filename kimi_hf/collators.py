@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import ASSISTANT, MIDDLE, TURN_END
+from .models.kimi_hybrid.chat_template_kimi_k3 import END_OF_MSG, OPEN, SEP
 
 
 IGNORE_INDEX = -100
@@ -17,15 +18,22 @@ class KimiHybridVisionCollator:
     messages are {"type": "image"} and the images come in order from "images"). Labels are the input
     ids with IGNORE_INDEX on padding and image placeholders, and, with train_on="assistant" (default),
     on every token outside the assistant replies (the reply's closing <|im_end|> is kept so that the
-    model learns to stop); train_on="all" keeps all text tokens.
+    model learns to stop); train_on="all" keeps all text tokens. A processor with Kimi K3's markup (XTML):
+    the replies are what follows each `<|open|>message role="assistant"<|sep|>` header, through its
+    `<|end_of_msg|>`. `chat_template_kwargs` go to every apply_chat_template (e.g. K3's
+    thinking_effort=None).
     """
 
-    def __init__(self, processor, train_on: str = "assistant"):
+    def __init__(self, processor, train_on: str = "assistant", chat_template_kwargs: dict | None = None):
         if train_on not in ("assistant", "all"):
             raise ValueError(f"train_on must be 'assistant' or 'all', got {train_on!r}")
         self.processor, self.train_on = processor, train_on
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         tok = processor.tokenizer
-        self.ids = {name: tok.convert_tokens_to_ids(name) for name in (ASSISTANT, MIDDLE, TURN_END)}
+        end_of_msg = tok.convert_tokens_to_ids(END_OF_MSG)
+        self.k3 = end_of_msg is not None and end_of_msg != tok.unk_token_id
+        names = (OPEN, SEP, END_OF_MSG) if self.k3 else (ASSISTANT, MIDDLE, TURN_END)
+        self.ids = {name: tok.convert_tokens_to_ids(name) for name in names}
 
     def _last(self, ids: torch.Tensor, token: str, strictly_before: bool) -> torch.Tensor:
         """[B, T]: position of the last `token` at (or strictly before) each position, -1 if none."""
@@ -35,9 +43,33 @@ class KimiHybridVisionCollator:
             last = torch.cat([last.new_full((ids.shape[0], 1), -1), last[:, :-1]], 1)
         return last
 
+    def _k3_assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:
+        """[B, T] bool: K3's replies, from the token after an assistant message's header
+        (`<|open|>message role="assistant" ...<|sep|>`, the header text between the two tokens decoded) through
+        the message's `<|end_of_msg|>`."""
+        tok, open_id, sep_id, end_id = self.processor.tokenizer, *(self.ids[t] for t in (OPEN, SEP, END_OF_MSG))
+        mask = torch.zeros_like(ids, dtype=torch.bool)
+        for b, row in enumerate(ids.tolist()):
+            i = 0
+            while i < len(row):
+                if row[i] != open_id:
+                    i += 1
+                    continue
+                sep = next((j for j in range(i + 1, len(row)) if row[j] in (sep_id, open_id, end_id)), len(row))
+                header = tok.decode(row[i + 1 : sep]).split()
+                if sep < len(row) and row[sep] == sep_id and header[:2] == ["message", 'role="assistant"']:
+                    end = next((j for j in range(sep + 1, len(row)) if row[j] == end_id), len(row) - 1)
+                    mask[b, sep + 1 : end + 1] = True
+                    i = end + 1
+                else:
+                    i = sep
+        return mask
+
     def _assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:
         """[B, T] bool: the tokens of assistant replies, from the first <|im_middle|> after an
         <|im_assistant|> up to and including the next <|im_end|> (vectorised over tokens)."""
+        if self.k3:
+            return self._k3_assistant_mask(ids)
         header = self._last(ids, ASSISTANT, False)
         middle = self._last(ids, MIDDLE, True)
         end = self._last(ids, TURN_END, True)  # strictly before: a reply keeps its own <|im_end|>
@@ -50,7 +82,9 @@ class KimiHybridVisionCollator:
         for i, ex in enumerate(examples):
             if "messages" not in ex:
                 raise ValueError(f"examples[{i}] has no 'messages'")
-            texts.append(self.processor.apply_chat_template(ex["messages"], tokenize=False))
+            texts.append(
+                self.processor.apply_chat_template(ex["messages"], tokenize=False, **self.chat_template_kwargs)
+            )
             images += list(ex.get("images") or [])
         batch = self.processor(images=images or None, text=texts, padding=True, return_tensors="pt")
         ids = batch["input_ids"]

@@ -49,22 +49,35 @@ def counting_examples(n: int, seed: int, size: int = 84, max_count: int = 4, max
     return out
 
 
-def ask(model, processor, images, question: str = QUESTION, max_new_tokens: int = 2) -> list[str]:
+def ask(
+    model, processor, images, question: str = QUESTION, max_new_tokens: int = 2, chat_template_kwargs=None
+) -> list[str]:
     """Greedy answers of a multimodal model to `question` about each image (one batch)."""
     from .chat import generate_replies
 
     question_about_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}]
-    return generate_replies(model, processor, [question_about_image] * len(images), images, max_new_tokens)
+    return generate_replies(
+        model, processor, [question_about_image] * len(images), images, max_new_tokens, chat_template_kwargs
+    )
 
 
-def counting_accuracy(model, processor, examples: list[dict], batch: int = 32) -> tuple[float, dict]:
+def counting_accuracy(
+    model, processor, examples: list[dict], batch: int = 32, max_new_tokens: int = 2, chat_template_kwargs=None
+) -> tuple[float, dict]:
     """(accuracy, {count: accuracy}) of greedy answers on counting examples (held-out scenes)."""
     was_training = model.training
     model.eval()
     right, per_count = 0, {}
     for i in range(0, len(examples), batch):
         chunk = examples[i : i + batch]
-        for ex, ans in zip(chunk, ask(model, processor, [ex["images"][0] for ex in chunk])):
+        answers = ask(
+            model,
+            processor,
+            [ex["images"][0] for ex in chunk],
+            max_new_tokens=max_new_tokens,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        for ex, ans in zip(chunk, answers):
             ok = ans == ex["answer"]
             right += ok
             hit = per_count.setdefault(ex["answer"], [0, 0])

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from safetensors import safe_open
 
 import kimi_hf
 from kimi_hf.cli import main, quickstart_parser, run
@@ -99,7 +100,7 @@ def test_quickstart_help_shows_defaults_and_descriptions(capsys):
     assert all(action.help for action in p._actions), [a.dest for a in p._actions if not a.help]
     assert main(["quickstart", "--help"]) == 0
     out = " ".join(capsys.readouterr().out.split())
-    for default in ("(default: 300)", "(default: small)", "(default: outputs/quickstart)", "(default: 0.005)"):
+    for default in ("(default: 500)", "(default: small)", "(default: outputs/quickstart)", "(default: 0.005)"):
         assert default in out
 
 
@@ -194,11 +195,14 @@ def test_quickstart_out_under_a_file_creates_nothing(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["file"]
 
 
-def test_quickstart_end_to_end_from_the_command_line(tmp_path):
+@pytest.mark.parametrize("arch", ["k3", "kimi-linear"])
+def test_quickstart_end_to_end_from_the_command_line(tmp_path, arch):
     out = tmp_path / "qs"
     r = shell(
         str(SCRIPT),
         "quickstart",
+        "--arch",
+        arch,
         "--size",
         "tiny",
         "--steps",
@@ -225,6 +229,23 @@ def test_quickstart_end_to_end_from_the_command_line(tmp_path):
     assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "kda.py"} <= set(
         os.listdir(out / "model")
     )
+    assert summary["arch"] == arch
+    config = json.loads((out / "model" / "config.json").read_text())
+    eos = json.loads((out / "model" / "generation_config.json").read_text())["eos_token_id"]
+    tokenizer = json.loads((out / "model" / "tokenizer.json").read_text())
+    ids = {t["content"]: t["id"] for t in tokenizer["added_tokens"]}
+    with safe_open(out / "model" / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+    if arch == "k3":  # the official K3 layout, K3's chat format, stopping at <|end_of_msg|>
+        assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
+        assert "language_model.lm_head.weight" in names and "mm_projector.proj.0.weight" in names
+        assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in names)
+        assert eos == [ids["<|end_of_msg|>"], ids["[EOS]"]]
+        assert summary["chat_transcript"]["prompt"].startswith('<|open|>message role="user"<|sep|>')
+        assert "<|kimi_image_placeholder|>" in summary["chat_transcript"]["prompt"]
+    else:
+        assert config["model_type"] == "kimi_hybrid" and eos == [ids["[EOS]"], ids["<|im_end|>"]]
+        assert summary["chat_transcript"]["prompt"].startswith("<|im_user|>")
 
 
 def test_run_returns_the_result_and_raises():

@@ -12,7 +12,9 @@ copy of the folder where each pair becomes `....w{1,2,3}.weight` [out, in] in --
 representable in bfloat16 and float32: lossless), every other tensor is copied under its own name (cast to
 --dtype, except the tensors the release keeps in float32: A_log, dt_bias, the *_conv1d weights, o_norm and
 e_score_correction_bias), config.json loses its quantization_config (its `dtype` fields say --dtype) and every
-other file (tokenizer, generation config, chat template, remote code, README) is copied unchanged.
+other file (tokenizer, generation config, chat template, remote code, README) is copied unchanged; K3's tiktoken
+tokenizer also becomes a fast tokenizer.json with K3's chat template (its tokenizer_config.json is rewritten for
+it) and the generation config stops at <|end_of_msg|> and [EOS].
 
 How it works, and why:
 
@@ -236,6 +238,7 @@ def convert_k3(
         for rel in plan.side_files:
             os.makedirs(os.path.join(tmp, os.path.dirname(rel)), exist_ok=True)
             shutil.copyfile(os.path.join(src, rel), os.path.join(tmp, rel))  # contents only: normal modes
+        tokenizer_converted = _fast_tokenizer(src, tmp, plan.config)
         if bar is not None:
             bar.close()
             bar = None
@@ -251,6 +254,7 @@ def convert_k3(
             "lossless": lossless,
             "rounded_tensors": plan.rounded + inexact,
             "copied_files": plan.side_files,
+            "tokenizer_converted": tokenizer_converted,
             "skipped_files": plan.skipped_files,
             "peak_rss_mb": peak,
             "peak_rss_growth_mb": max(0.0, peak - baseline),
@@ -266,6 +270,27 @@ def convert_k3(
         raise
     report["seconds"] = time.time() - t0
     return report
+
+
+def _fast_tokenizer(src: str, tmp: str, config: dict) -> bool:
+    """K3's tiktoken.model (+ tokenizer_config.json) without a tokenizer.json -> tokenizer.json and its
+    tokenizer_config.json (replacing the release's, which names its tiktoken remote code) in tmp, with K3's chat
+    and response templates, so that AutoTokenizer needs neither remote code nor the tiktoken package; the
+    generation config (written from config.json's ids when the release has none) stops at <|end_of_msg|>, then
+    [EOS]. Returns whether it converted."""
+    from .tokenizer import convert_tokenizer_dir
+
+    if not convert_tokenizer_dir(src, tmp):
+        return False
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ..models.kimi_hybrid.chat_markup_kimi_hybrid import stop_at_turn_end
+
+    if not os.path.exists(os.path.join(tmp, "generation_config.json")):
+        ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(tmp)
+    stop_at_turn_end(tmp, AutoTokenizer.from_pretrained(tmp))
+    return True
 
 
 def _dequantize(out: OutputTensor, packed, scale, src: str):

@@ -30,7 +30,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_token
 from transformers import PreTrainedTokenizerFast
 
 from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # noqa: F401  (K3: <|end_of_msg|>, [EOS])
-from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS
+from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, use_k3_chat_markup
 
 
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)
@@ -192,6 +192,8 @@ def tiktoken_to_fast(
     if fast.convert_tokens_to_ids(table[0].content) != n or len(fast) != n + RESERVED:
         raise ValueError(f"added tokens did not land at ids {n} .. {n + RESERVED - 1}")
     fast.chat_template = chat_template or config.get("chat_template")
+    if fast.chat_template is None and tokenizer_family(config) == "k3":  # K3 ships none: its prompt is Python
+        use_k3_chat_markup(fast)
     return fast
 
 

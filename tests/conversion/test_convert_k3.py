@@ -440,3 +440,25 @@ def test_streaming_peak_memory_is_far_below_one_shard(tmp_path, capsys):
             f"shard; peak RSS growth {growth:.0f} MB"
         )
     assert growth < 0.5 * min(sizes) / 2**20 and growth < 0.1 * out_mb, r.stdout
+
+
+def test_the_tiktoken_tokenizer_becomes_a_fast_one_with_k3_chat(tmp_path):
+    """A release with K3's tiktoken files and no generation_config.json: tokenizer.json with K3's template,
+    AutoTokenizer without remote code, and a generation config that stops at <|end_of_msg|>, then [EOS]."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ..models.kimi_k3.release_format import tiny_k3_chat_config, write_k3_tokenizer_files
+
+    src = tmp_path / "release"
+    write_k3_checkpoint(src, tiny_k3_chat_config(), seed=0, mxfp4=True, shards=1, dtype="bfloat16")
+    n = write_k3_tokenizer_files(src)
+    report = convert_k3(src, tmp_path / "out")
+    out = tmp_path / "out"
+    assert report["tokenizer_converted"] and (out / "tokenizer.json").is_file() and (out / "tiktoken.model").is_file()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token, tok.eos_token, tok.pad_token) == ("[BOS]", "[EOS]", "[PAD]")
+    assert tok.convert_tokens_to_ids("<|end_of_msg|>") == n + 2
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, thinking_effort=None) == (
+        '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
+    )
+    assert GenerationConfig.from_pretrained(out).eos_token_id == [n + 2, n + 1]

@@ -18,6 +18,7 @@ from kimi_hf.conversion.tokenizer import (
     tiktoken_to_fast,
     tokenizer_family,
 )
+from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, K3_RESPONSE_TEMPLATE
 
 from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F401  (fixture)
 
@@ -196,7 +197,9 @@ def test_k3_saved_folder_reloads(tmp_path):
     assert convert_tokenizer_dir(str(src), str(dst))
     assert not convert_tokenizer_dir(str(dst), str(tmp_path / "again"))  # a tokenizer.json is there already
     tok = AutoTokenizer.from_pretrained(dst)
-    assert len(tok) == n + 256 and tok.chat_template is None  # chat templates are not the converter's
+    # K3 ships no chat template (its prompt is built in Python): the converted tokenizer carries K3's
+    assert len(tok) == n + 256 and tok.chat_template == K3_CHAT_TEMPLATE
+    assert tok.response_template == K3_RESPONSE_TEMPLATE
     for off, (name, special) in K3_SPECIAL_TOKENS.items():
         assert tok.convert_tokens_to_ids(name) == n + off and tok.added_tokens_decoder[n + off].special is special
     ids = tok.encode(K3_MARKUP)

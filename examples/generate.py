@@ -20,6 +20,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, TextStreamer
 
 import kimi_hf  # noqa: F401  (registers the Auto classes; without it pass trust_remote_code=True)
+from kimi_hf.chat import K3ReplyStreamer, has_k3_markup
+from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import parse_k3_reply
 
 
 def main(argv=None) -> dict:
@@ -34,7 +36,7 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     if not os.path.exists(os.path.join(args.model, "config.json")):
         raise SystemExit(f"{args.model} has no config.json: run `kimi-hf quickstart` first or pass --model")
-    multimodal = json.load(open(os.path.join(args.model, "config.json")))["model_type"] == "kimi_hybrid"
+    multimodal = json.load(open(os.path.join(args.model, "config.json")))["model_type"] in ("kimi_hybrid", "kimi_k3")
     if multimodal:
         model, processor = (
             AutoModelForImageTextToText.from_pretrained(args.model),
@@ -46,7 +48,20 @@ def main(argv=None) -> dict:
         tokenizer = AutoTokenizer.from_pretrained(args.model)
     model.eval()
     sampling = dict(do_sample=True, temperature=0.8, top_p=0.95) if args.sample else dict(do_sample=False)
-    streamer = None if args.no_stream else TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    k3 = has_k3_markup(tokenizer)  # Kimi K3's chat format: the reply is its response channel
+
+    def streamer(prompt):
+        if args.no_stream:
+            return None
+        if k3:
+            return K3ReplyStreamer(tokenizer, prefix=prompt)
+        return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+
+    def reply(ids, prompt) -> str:
+        if k3:  # as the streamer shows it: the response channel, up to markup it could not parse
+            text = tokenizer.decode(ids, skip_special_tokens=False)
+            return parse_k3_reply(text, prefix=prompt, strict=False)["content"].split("<|")[0].strip()
+        return tokenizer.decode(ids, skip_special_tokens=True).strip()
 
     results = {}
     text = tokenizer.apply_chat_template(
@@ -56,24 +71,22 @@ def main(argv=None) -> dict:
     print(f"> {args.prompt}")
     with torch.no_grad():
         out = model.generate(
-            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer, repetition_penalty=1.2, **sampling
+            **inputs, max_new_tokens=args.max_new_tokens, streamer=streamer(text), repetition_penalty=1.2, **sampling
         )
-    results["text"] = tokenizer.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    results["text"] = reply(out[0, inputs["input_ids"].shape[1] :], text)
     if args.no_stream:
         print(results["text"])
 
     if args.image:
         if not multimodal:
-            raise SystemExit("--image needs a multimodal model (model_type kimi_hybrid)")
+            raise SystemExit("--image needs a multimodal model (model_type kimi_hybrid or kimi_k3)")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.question}]}]
         prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = processor(images=[args.image], text=[prompt], return_tensors="pt")  # errors name a bad file
         print(f"\n> [{args.image}] {args.question}")
         with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=8, streamer=streamer, **sampling)
-        results["answer"] = processor.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)[
-            0
-        ].strip()
+            out = model.generate(**inputs, max_new_tokens=24 if k3 else 8, streamer=streamer(prompt), **sampling)
+        results["answer"] = reply(out[0, inputs["input_ids"].shape[1] :], prompt)
         if args.no_stream:
             print(results["answer"])
     return results

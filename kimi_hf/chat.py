@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from transformers.generation.streamers import BaseStreamer
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
 from .models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, parse_k3_reply
@@ -36,11 +37,43 @@ def generate_replies(
         tokenizer.padding_side = side
     out = model.generate(**inputs, **{"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs})
     new = out[:, inputs["input_ids"].shape[1] :]
-    if K3_STOP_TOKEN in tokenizer.get_vocab():  # K3's XTML: the markup is in the text; the reply is a channel
+    if has_k3_markup(tokenizer):  # K3's XTML: the markup is in the text; the reply is a channel
         texts = processor.batch_decode(new, skip_special_tokens=False)
         replies = [parse_k3_reply(t, prefix=p, strict=False)["content"] for t, p in zip(texts, prompts)]
         return [r.strip() for r in replies]
     return [r.strip() for r in processor.batch_decode(new, skip_special_tokens=True)]
 
 
-__all__ = ["generate_replies", "chat_stop_token_ids", "TURN_END", "IMAGE_TOKEN"]
+def has_k3_markup(tokenizer) -> bool:
+    """Whether `tokenizer` writes Kimi K3's chat markup (XTML, replies ending with <|end_of_msg|>)."""
+    return K3_STOP_TOKEN in tokenizer.get_vocab()
+
+
+class K3ReplyStreamer(BaseStreamer):
+    """A `generate(streamer=...)` streamer for Kimi K3 replies: prints the response channel as it grows (the
+    think channel and the markup are not printed). `prefix`: the prompt (where the generation prompt left
+    off). Text from a `<|` onwards is held back until the markup it may start is known."""
+
+    def __init__(self, tokenizer, prefix: str = ""):
+        self.tokenizer, self.prefix = tokenizer, prefix
+        self.ids: list[int] = []
+        self.shown, self.prompt_seen = "", False
+
+    def put(self, value):
+        if not self.prompt_seen:  # generate puts the prompt first
+            self.prompt_seen = True
+            return
+        self.ids += value.flatten().tolist()
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=False)
+        content = parse_k3_reply(text, prefix=self.prefix, strict=False)["content"] or ""
+        content = content.split("<|")[0]
+        if content.startswith(self.shown) and len(content) > len(self.shown):
+            print(content[len(self.shown) :], end="", flush=True)
+            self.shown = content
+
+    def end(self):
+        print(flush=True)
+        self.ids, self.shown, self.prompt_seen = [], "", False
+
+
+__all__ = ["generate_replies", "has_k3_markup", "K3ReplyStreamer", "chat_stop_token_ids", "TURN_END", "IMAGE_TOKEN"]

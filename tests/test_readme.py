@@ -18,11 +18,11 @@ from .models.kimi_hybrid.helpers import tiny_processor
 README = Path(__file__).resolve().parent.parent / "README.md"
 
 
-def snippet(heading: str) -> str:
-    """The first ```python block after `heading`."""
+def snippet(heading: str, index: int = 0) -> str:
+    """The `index`-th ```python block after `heading` (0: the first)."""
     text = README.read_text(encoding="utf-8")
     section = text[text.index(heading) :]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    return re.findall(r"```python\n(.*?)```", section, re.S)[index]
 
 
 def test_hybrid_model_snippet_builds_the_small_model_it_shows():
@@ -59,3 +59,24 @@ def test_k3_snippet_loads_a_released_layout_folder_and_saves_it_back(tmp_path):
     assert type(scope["model"]).__name__ == type(scope["text"]).__name__ == "KimiK3ForConditionalGeneration"
     saved = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".safetensors")
     assert saved and (tmp_path / "out" / "config.json").exists()
+
+
+def test_k3_chat_snippet_answers_about_an_image_on_a_released_folder(tmp_path, monkeypatch):
+    from .models.kimi_k3.release_format import (
+        tiny_k3_chat_config,
+        write_k3_checkpoint,
+        write_k3_preprocessor_config,
+        write_k3_tokenizer_files,
+    )
+
+    folder = tmp_path / "k3"
+    write_k3_checkpoint(folder, tiny_k3_chat_config(), seed=0)
+    write_k3_tokenizer_files(folder)
+    write_k3_preprocessor_config(folder)
+    render_scene(random.Random(0), 56, circles=2).save(tmp_path / "scene.png")
+    monkeypatch.chdir(tmp_path)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(snippet("## Kimi K3", index=1), "README.md", "exec"), {"k3_dir": str(folder)})
+    out = printed.getvalue()
+    assert out.startswith("{'role': 'assistant', 'reasoning_content': ") and out.count("\n") == 1

@@ -47,7 +47,7 @@ from transformers.core_model_loading import (
 
 REGISTERED_CLASS = "KimiHybridTextModel"
 # only the root class: a nested KimiK3Model with its own registration would apply the transforms twice
-K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration",)
+K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration", "KimiK3Model")
 
 
 class _NoReverse(WeightRenaming):

@@ -53,6 +53,7 @@ AUTO_MAPS = {
     },
     "kimi_k3": {
         "AutoConfig": "configuration_kimi_k3.KimiK3Config",
+        "AutoModel": "modeling_kimi_k3.KimiK3Model",
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
         "AutoImageProcessor": "image_processing_kimi_hybrid.KimiK3ImageProcessor",

@@ -61,6 +61,8 @@ class KimiK3Model(KimiHybridModel):
     config: KimiK3Config
     config_class = KimiK3Config
     text_model_class = KimiK3TextModel
+    # AutoModel on a released folder: the base model takes everything but the head
+    _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
 
 def _inverse_vision_renames() -> list[tuple[re.Pattern, str]]:

@@ -9,12 +9,12 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelForImageTextToText
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import KimiHybridTextConfig
 from kimi_hf.models.kimi_hybrid.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import KimiK3ForConditionalGeneration, KimiK3Model
 
 from .reference import k3_reference_greedy, k3_reference_logits
 from .release_format import tiny_k3_config, write_k3_checkpoint
@@ -200,6 +200,17 @@ def test_auto_classes_load_the_folder(k3_checkpoint):
     for auto in (AutoModelForImageTextToText, AutoModelForCausalLM):
         model = auto.from_pretrained(k3_checkpoint.folder)
         assert type(model) is KimiK3ForConditionalGeneration
+    # AutoModel: the base model (transformers' convention; the release's own auto_map names the full class),
+    # every tensor but the head loaded (MXFP4 experts decoded), no remote code asked for
+    base, info = AutoModel.from_pretrained(k3_checkpoint.folder, dtype=torch.float32, output_loading_info=True)
+    assert type(base) is KimiK3Model
+    assert {k: list(v) for k, v in info.items() if k != "unexpected_keys"} == dict(
+        missing_keys=[], mismatched_keys=[], error_msgs=[]
+    )
+    full = AutoModelForCausalLM.from_pretrained(k3_checkpoint.folder, dtype=torch.float32)
+    ids = torch.tensor([[1, 5, 9, 42, 7]])
+    with torch.no_grad():
+        assert torch.equal(base(input_ids=ids).last_hidden_state, full.model(input_ids=ids).last_hidden_state)
 
 
 def _rewrite(folder, edit):

@@ -57,6 +57,7 @@ def test_k3_snippet_loads_a_released_layout_folder_and_saves_it_back(tmp_path):
     exec(compile(snippet("## Kimi K3"), "README.md", "exec"), scope)
     assert scope["cfg"].model_type == "kimi_k3"
     assert type(scope["model"]).__name__ == type(scope["text"]).__name__ == "KimiK3ForConditionalGeneration"
+    assert type(scope["base"]).__name__ == "KimiK3Model"
     saved = sorted(p.name for p in (tmp_path / "out").iterdir() if p.suffix == ".safetensors")
     assert saved and (tmp_path / "out" / "config.json").exists()
 

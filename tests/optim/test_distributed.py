@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -22,6 +23,28 @@ STEPS = 3
 
 def config():
     return tiny_config(attn_implementation="eager")
+
+
+def build(arch: str):
+    """The model trained by the FSDP2 test: the tiny hybrid, or a tiny Kimi K3 (safe-gate KDA, gated MLA with q
+    LoRA, SiTU LatentMoE, K3 Block AttnRes, the K3 vision tower) trained on text."""
+    if arch == "hybrid":
+        return KimiHybridForCausalLM(config())
+    from kimi_hf import KimiK3ForConditionalGeneration
+    from kimi_hf.quickstart import small_k3_config
+
+    cfg = small_k3_config(64, 4, vocab_size=100, media_token_id=99, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return KimiK3ForConditionalGeneration._from_config(cfg, attn_implementation="eager")
+
+
+def qk_clip_tau(arch: str) -> float:
+    """Low enough that some head is clipped in STEPS steps (K3's q LoRA with its latent norm starts with smaller
+    logits than the tiny hybrid's)."""
+    return 0.5 if arch == "hybrid" else 0.05
+
+
+def decoder_layers(model):
+    return model.model.language_model.layers if hasattr(model.model, "language_model") else model.model.layers
 
 
 def batch(step):
@@ -64,12 +87,14 @@ def test_ddp_with_accelerate_matches_single_process(tmp_path):
     assert len(shares) == 2 and sum(shares) == total and max(shares) < total
 
 
-def test_fsdp2_matches_single_process(tmp_path):
+@pytest.mark.parametrize("arch", ["hybrid", "k3"])
+def test_fsdp2_matches_single_process(tmp_path, arch):
     out = tmp_path / "fsdp.safetensors"
-    stdout = torchrun([str(ROOT / "tests" / "optim" / "fsdp2_worker.py"), str(out)], port=29562)
+    port = 29562 if arch == "hybrid" else 29563
+    stdout = torchrun([str(ROOT / "tests" / "optim" / "fsdp2_worker.py"), str(out), arch], port=port)
     torch.manual_seed(0)
-    model = KimiHybridForCausalLM(config()).train()
-    opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=0.5)
+    model = build(arch).train()
+    opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=qk_clip_tau(arch))
     for step in range(STEPS):
         x = batch(step)
         model(x, labels=x, use_cache=False).loss.backward()

@@ -64,6 +64,19 @@ class DepthAttentionFunction(torch.autograd.Function):
         return dw, None, dblocks, dpartial
 
 
+# Below this many values per source (B * T * d: decoding, short prompts), without autograd, the sources are
+# stacked and handled in a few whole-tensor ops: at one token per step the per-source loop is launch-bound
+SMALL_SOURCE_NUMEL = 1 << 16
+
+
+def _depth_attention_small(w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None, eps: float):
+    """The same formula in five whole-tensor ops over the stacked fp32 sources (inference, small inputs)."""
+    v = (torch.cat([blocks, partial[None]]) if partial is not None else blocks).float()  # [m, B, T, d]
+    logits = (v @ w.float()) * torch.rsqrt(v.square().mean(-1) + eps)  # [m, B, T]
+    alpha = logits.softmax(0)
+    return (alpha[..., None] * v).sum(0).to(blocks.dtype)
+
+
 def depth_attention(
     w: torch.Tensor, blocks: torch.Tensor, partial: torch.Tensor | None = None, eps: float = 1e-6
 ) -> torch.Tensor:
@@ -74,6 +87,10 @@ def depth_attention(
         raise ValueError(f"partial must have shape {tuple(blocks.shape[1:])}, got {tuple(partial.shape)}")
     if w.shape != blocks.shape[-1:]:
         raise ValueError(f"w must have shape ({blocks.shape[-1]},), got {tuple(w.shape)}")
+    tensors = (w, blocks) if partial is None else (w, blocks, partial)
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    if not grad and blocks[0].numel() <= SMALL_SOURCE_NUMEL:
+        return _depth_attention_small(w, blocks, partial, eps)
     return DepthAttentionFunction.apply(w, eps, blocks, partial)
 
 

@@ -64,3 +64,28 @@ def test_bad_shapes_name_the_argument():
         depth_attention(torch.zeros(4), blocks)
     with pytest.raises(ValueError, match="blocks"):
         depth_attention(torch.zeros(8), torch.randn(0, 1, 3, 8))
+
+
+@pytest.mark.parametrize("T", [1, 3, 1024])  # decode steps and short prompts take the stacked path; long ones loop
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_inference_without_autograd_matches_fp64_on_both_paths(T, dtype):
+    from kimi_hf.models.kimi_hybrid.depth_attention import SMALL_SOURCE_NUMEL
+
+    torch.manual_seed(T)
+    B, d, n, eps = 2, 64, 3, 1e-6
+    blocks = (torch.randn(n, B, T, d) * torch.logspace(-1, 1, n)[:, None, None, None]).to(dtype)
+    partial, w = torch.randn(B, T, d).to(dtype), torch.randn(d)
+    stacked = B * T * d <= SMALL_SOURCE_NUMEL
+    assert stacked == (T < 1024)
+    ref, _ = reference(w, blocks.float(), partial.float(), eps)
+    with torch.no_grad():
+        out = depth_attention(w, blocks, partial, eps)
+        first = depth_attention(w, blocks, None, eps)  # no partial sum yet (before the first sublayer)
+    with torch.enable_grad():  # the autograd path on the same values
+        looped = depth_attention(w.requires_grad_(), blocks, partial, eps).detach()
+    assert out.dtype == dtype and out.shape == (B, T, d)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert (out.double() - ref).abs().max().item() <= tol * ref.abs().max().item()
+    assert (out.float() - looped.float()).abs().max().item() <= tol * ref.abs().max().item()
+    ref_first, _ = reference(w.detach(), blocks.float(), None, eps)
+    assert (first.double() - ref_first).abs().max().item() <= tol * ref_first.abs().max().item()

@@ -1,8 +1,10 @@
-"""transformers Trainer integration: MuonClip's QK-Clip statistics in the Trainer's logs."""
+"""transformers Trainer integration: MuonClip's QK-Clip statistics in the Trainer's logs; expert balancing."""
 
 from __future__ import annotations
 
 from transformers import TrainerCallback
+
+from .expert_bias import track_expert_load, update_expert_bias
 
 
 def _unwrap(optimizer):
@@ -37,3 +39,37 @@ class MuonClipCallback(TrainerCallback):
         if state.log_history:
             state.log_history[-1].update(extra)
         self._max, self._clipped = None, 0
+
+
+class ExpertBiasCallback(TrainerCallback):
+    """Auxiliary-loss-free expert balancing during Trainer training (optim/expert_bias.py): counts each router's
+    tokens while training, moves its `e_score_correction_bias` by `update_rate` against the load after every
+    optimizer step, and logs `expert_load_imbalance` (the largest max / mean load of the last step).
+
+        Trainer(model, args, ..., callbacks=[ExpertBiasCallback(update_rate=1e-3)])
+    """
+
+    def __init__(self, update_rate: float = 1e-3):
+        if not isinstance(update_rate, (int, float)) or isinstance(update_rate, bool) or update_rate < 0:
+            raise ValueError(f"update_rate must be a non-negative number, got {update_rate!r}")
+        self.update_rate = update_rate
+        self._imbalance = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        if model is not None and not track_expert_load(model):
+            raise ValueError("ExpertBiasCallback: the model has no router with an e_score_correction_bias")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            self._imbalance = update_expert_bias(model, self.update_rate)["expert_load_imbalance"]
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is None or self._imbalance is None or "loss" not in logs:
+            return
+        logs["expert_load_imbalance"] = round(self._imbalance, 4)
+        if state.log_history:
+            state.log_history[-1]["expert_load_imbalance"] = logs["expert_load_imbalance"]
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if model is not None:
+            track_expert_load(model, enabled=False)

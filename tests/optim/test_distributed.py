@@ -1,5 +1,5 @@
 """MuonClip across processes on CPU (gloo): accelerate DDP (the pre-training example under torchrun)
-and FSDP2 (torch's fully_shard) give the single-process result."""
+and FSDP2 (torch's fully_shard) give the single-process result (FSDP2: expert balancing included)."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from kimi_hf import KimiHybridForCausalLM
-from kimi_hf.optim import MuonClip
+from kimi_hf.optim import MuonClip, track_expert_load, update_expert_bias
 
 from ..models.kimi_hybrid.helpers import tiny_config
 
@@ -95,13 +95,19 @@ def test_fsdp2_matches_single_process(tmp_path, arch):
     torch.manual_seed(0)
     model = build(arch).train()
     opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=qk_clip_tau(arch))
+    track_expert_load(model)
     for step in range(STEPS):
         x = batch(step)
         model(x, labels=x, use_cache=False).loss.backward()
         opt.step()
         opt.zero_grad()
+        update_expert_bias(model, update_rate=1e-2)
     assert opt.qk_clip.total_clipped_heads > 0  # the clip path is exercised
     assert f"clipped {opt.qk_clip.total_clipped_heads} heads" in stdout
     sharded = load_file(out)
     for name, p in model.named_parameters():
         assert torch.allclose(p.detach(), sharded[name], atol=1e-5), name
+    biases = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
+    assert biases and any(b.abs().sum() > 0 for b in biases.values())
+    for name, b in biases.items():  # the two ranks' expert loads summed: the single process's update
+        assert torch.equal(b, sharded[name]), name

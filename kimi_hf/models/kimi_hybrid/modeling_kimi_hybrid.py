@@ -502,9 +502,9 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
     """DeepSeek-V3 noaux_tc router: fp32 logits, sigmoid scores, experts chosen on scores +
     e_score_correction_bias (within the best topk_group groups), weighted by the uncorrected scores
     of the chosen experts (renormalised if norm_topk_prob) times routed_scaling_factor. The weight and
-    the bias stay fp32."""
+    the bias stay fp32 (and the token counts of `expert_load`: bf16 would stop counting exactly at 256)."""
 
-    _fp32_tensors = ("weight", "e_score_correction_bias")
+    _fp32_tensors = ("weight", "e_score_correction_bias", "expert_load")
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
@@ -513,6 +513,11 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         self.norm_topk_prob, self.routed_scaling_factor = config.norm_topk_prob, config.routed_scaling_factor
         self.weight = nn.Parameter(torch.empty(self.num_experts, config.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(self.num_experts, dtype=torch.float32))
+        # Auxiliary-loss-free balancing (DeepSeek-V3, arXiv 2412.19437 §2.1.2): with `track_load` on (the optim
+        # package's ExpertBiasCallback turns it on), training forwards add the tokens each expert received to
+        # `expert_load`, from which the correction bias is updated after each optimizer step. Off by default.
+        self.track_load = False
+        self.register_buffer("expert_load", torch.zeros(self.num_experts, dtype=torch.float32), persistent=False)
 
     def select(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """router_logits [N, E] -> sigmoid scores [N, E] fp32, the chosen experts [N, k] (the one place the
@@ -534,6 +539,9 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         """x [N, hidden] -> router_logits [N, E] fp32, weights [N, k] fp32, expert indices [N, k]."""
         logits = F.linear(x.float(), self.weight.float())
         scores, indices = self.select(logits)
+        # counted once per forward: not again when gradient checkpointing recomputes it during the backward
+        if self.track_load and self.training and torch._C._current_graph_task_id() == -1:
+            self.expert_load += torch.bincount(indices.reshape(-1), minlength=self.num_experts).float()
         weights = scores.gather(1, indices)
         if self.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -815,6 +823,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         elif isinstance(module, KimiHybridRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)
+            init.zeros_(module.expert_load)
         elif isinstance(module, (KimiHybridRMSNorm, KimiHybridGatedRMSNorm, KimiHybridDepthKeyNorm)):
             init.ones_(module.weight)
         elif isinstance(module, KimiHybridDepthAttention):

@@ -105,8 +105,12 @@ def test_fsdp2_matches_single_process(tmp_path, arch):
     assert opt.qk_clip.total_clipped_heads > 0  # the clip path is exercised
     assert f"clipped {opt.qk_clip.total_clipped_heads} heads" in stdout
     sharded = load_file(out)
+    # the ranks' gradient sums round in another order than one process's backward, and Newton-Schulz amplifies
+    # that; K3's deeper mixing (latent experts, depth attention, q LoRA) more so: observed up to 1.1e-5 (the
+    # embedding) after 3 steps, against 2e-6 for the hybrid model
+    atol = 1e-5 if arch == "hybrid" else 5e-5
     for name, p in model.named_parameters():
-        assert torch.allclose(p.detach(), sharded[name], atol=1e-5), name
+        assert torch.allclose(p.detach(), sharded[name], atol=atol), name
     biases = {n: b for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")}
     assert biases and any(b.abs().sum() > 0 for b in biases.values())
     for name, b in biases.items():  # the two ranks' expert loads summed: the single process's update

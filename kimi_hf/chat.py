@@ -6,7 +6,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
-from .models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, parse_k3_reply
+from .models.kimi_hybrid.chat_template_kimi_k3 import has_k3_markup, parse_k3_reply
 
 
 @torch.no_grad()
@@ -42,11 +42,6 @@ def generate_replies(
         replies = [parse_k3_reply(t, prefix=p, strict=False)["content"] for t, p in zip(texts, prompts)]
         return [r.strip() for r in replies]
     return [r.strip() for r in processor.batch_decode(new, skip_special_tokens=True)]
-
-
-def has_k3_markup(tokenizer) -> bool:
-    """Whether `tokenizer` writes Kimi K3's chat markup (XTML, replies ending with <|end_of_msg|>)."""
-    return K3_STOP_TOKEN in tokenizer.get_vocab()
 
 
 class K3ReplyStreamer(BaseStreamer):

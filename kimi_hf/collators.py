@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import ASSISTANT, MIDDLE, TURN_END
-from .models.kimi_hybrid.chat_template_kimi_k3 import END_OF_MSG, OPEN, SEP
+from .models.kimi_hybrid.chat_template_kimi_k3 import END_OF_MSG, OPEN, SEP, has_k3_markup
 
 
 IGNORE_INDEX = -100
@@ -30,8 +30,7 @@ class KimiHybridVisionCollator:
         self.processor, self.train_on = processor, train_on
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         tok = processor.tokenizer
-        end_of_msg = tok.convert_tokens_to_ids(END_OF_MSG)
-        self.k3 = end_of_msg is not None and end_of_msg != tok.unk_token_id
+        self.k3 = has_k3_markup(tok)
         names = (OPEN, SEP, END_OF_MSG) if self.k3 else (ASSISTANT, MIDDLE, TURN_END)
         self.ids = {name: tok.convert_tokens_to_ids(name) for name in names}
 
@@ -44,25 +43,29 @@ class KimiHybridVisionCollator:
         return last
 
     def _k3_assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:
-        """[B, T] bool: K3's replies, from the token after an assistant message's header
-        (`<|open|>message role="assistant" ...<|sep|>`, the header text between the two tokens decoded) through
-        the message's `<|end_of_msg|>`."""
+        """[B, T] bool: K3's replies as the model writes them (the template's {% generation %} span): after an
+        assistant message's header (`<|open|>message role="assistant" ...<|sep|>`, the header text between the two
+        tokens decoded) and the channel the generation prompt opens with it (`<|open|>think<|sep|>`, or
+        `<|open|>response<|sep|>` with thinking off), through the message's `<|end_of_msg|>`. Only the markup
+        tokens are visited, not every token."""
         tok, open_id, sep_id, end_id = self.processor.tokenizer, *(self.ids[t] for t in (OPEN, SEP, END_OF_MSG))
         mask = torch.zeros_like(ids, dtype=torch.bool)
-        for b, row in enumerate(ids.tolist()):
-            i = 0
-            while i < len(row):
-                if row[i] != open_id:
-                    i += 1
+        for b, row in enumerate(ids):
+            markup = torch.nonzero((row == open_id) | (row == sep_id) | (row == end_id)).flatten().tolist()
+            kinds = row[markup].tolist()
+            reply_until = -1  # inside a reply (its own think / response elements) up to this position
+            for j, (pos, kind) in enumerate(zip(markup, kinds)):
+                if kind != open_id or pos <= reply_until or j + 1 == len(markup) or kinds[j + 1] != sep_id:
                     continue
-                sep = next((j for j in range(i + 1, len(row)) if row[j] in (sep_id, open_id, end_id)), len(row))
-                header = tok.decode(row[i + 1 : sep]).split()
-                if sep < len(row) and row[sep] == sep_id and header[:2] == ["message", 'role="assistant"']:
-                    end = next((j for j in range(sep + 1, len(row)) if row[j] == end_id), len(row) - 1)
-                    mask[b, sep + 1 : end + 1] = True
-                    i = end + 1
-                else:
-                    i = sep
+                sep = markup[j + 1]
+                if tok.decode(row[pos + 1 : sep]).split()[:2] != ["message", 'role="assistant"']:
+                    continue
+                start = sep + 1
+                if kinds[j + 2 : j + 4] == [open_id, sep_id] and markup[j + 2] == start:  # the opened channel
+                    start = markup[j + 3] + 1
+                end = next((p for p, k in zip(markup[j + 2 :], kinds[j + 2 :]) if k == end_id), len(row) - 1)
+                mask[b, start : end + 1] = True
+                reply_until = end
         return mask
 
     def _assistant_mask(self, ids: torch.Tensor) -> torch.Tensor:

@@ -267,7 +267,7 @@ def chat_transcript(model, processor, image, max_new_tokens: int, chat_template_
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
     reply = processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=False)
-    return {"prompt": prompt, "reply": reply.replace(processor.tokenizer.pad_token or "\0", "")}
+    return {"prompt": prompt, "reply": reply}
 
 
 def _nearest_existing(path: str) -> str:

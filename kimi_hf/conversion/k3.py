@@ -278,18 +278,11 @@ def _fast_tokenizer(src: str, tmp: str, config: dict) -> bool:
     and response templates, so that AutoTokenizer needs neither remote code nor the tiktoken package; the
     generation config (written from config.json's ids when the release has none) stops at <|end_of_msg|>, then
     [EOS]. Returns whether it converted."""
-    from .tokenizer import convert_tokenizer_dir
+    from .tokenizer import convert_tokenizer_dir, stop_generation_at_turn_end
 
     if not convert_tokenizer_dir(src, tmp):
         return False
-    from transformers import AutoTokenizer, GenerationConfig
-
-    from ..models.kimi_hybrid.chat_markup_kimi_hybrid import stop_at_turn_end
-
-    if not os.path.exists(os.path.join(tmp, "generation_config.json")):
-        ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-        GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(tmp)
-    stop_at_turn_end(tmp, AutoTokenizer.from_pretrained(tmp))
+    stop_generation_at_turn_end(tmp, config)
     return True
 
 

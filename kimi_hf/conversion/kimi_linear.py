@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 
 from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
-from .tokenizer import convert_tokenizer_dir
+from .tokenizer import convert_tokenizer_dir, stop_generation_at_turn_end
 
 
 OURS, NATIVE = "kimi_hybrid_text", "kimi_linear"
@@ -136,14 +136,7 @@ def copy_side_files(src: str, writer: ShardedWriter, config: dict | None = None)
             writer.copy(os.path.join(src, extra))
     converted = convert_tokenizer_dir(src, writer.tmp)
     if os.path.exists(os.path.join(writer.tmp, "tokenizer.json")):
-        from transformers import AutoTokenizer, GenerationConfig
-
-        from ..models.kimi_hybrid.processing_kimi_hybrid import stop_at_turn_end
-
-        if config is not None and not os.path.exists(os.path.join(writer.tmp, "generation_config.json")):
-            ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
-            GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(writer.tmp)
-        stop_at_turn_end(writer.tmp, AutoTokenizer.from_pretrained(writer.tmp))
+        stop_generation_at_turn_end(writer.tmp, config)
     return converted
 
 

@@ -220,8 +220,23 @@ def convert_tokenizer_dir(src: str, dst: str) -> bool:
     return True
 
 
+def stop_generation_at_turn_end(folder: str, config: dict | None) -> None:
+    """For a converted folder with a tokenizer.json: the generation config (written from `config`'s bos / eos /
+    pad ids when the folder has none) also stops where the tokenizer's chat markup ends a turn (`<|im_end|>`;
+    K3: `<|end_of_msg|>`, then `[EOS]`)."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from ..models.kimi_hybrid.chat_markup_kimi_hybrid import stop_at_turn_end
+
+    if config is not None and not os.path.exists(os.path.join(folder, "generation_config.json")):
+        ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+        GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(folder)
+    stop_at_turn_end(folder, AutoTokenizer.from_pretrained(folder))
+
+
 __all__ = [
     "KIMI_PATTERN",
+    "stop_generation_at_turn_end",
     "K3_SPECIAL_TOKENS",
     "read_tiktoken",
     "tokenizer_family",

@@ -11,7 +11,7 @@ import os
 
 from transformers import GenerationConfig
 
-from .chat_template_kimi_k3 import K3_STOP_TOKEN, k3_stop_token_ids
+from .chat_template_kimi_k3 import has_k3_markup, k3_stop_token_ids
 
 
 SYSTEM, USER, ASSISTANT, MIDDLE = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"
@@ -95,8 +95,7 @@ def chat_stop_token_ids(tokenizer) -> list[int]:
     of a turn (<|im_end|>: the chat template closes every reply with it, so a model trained on chats
     writes it, not EOS, when its reply is done). A tokenizer with K3's markup: `k3_stop_token_ids`
     (<|end_of_msg|> first, then EOS). Use it as the model config's `eos_token_id`."""
-    end_of_msg = tokenizer.convert_tokens_to_ids(K3_STOP_TOKEN)
-    if end_of_msg is not None and end_of_msg != tokenizer.unk_token_id:
+    if has_k3_markup(tokenizer):
         return k3_stop_token_ids(tokenizer)
     ids = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     turn_end = tokenizer.convert_tokens_to_ids(TURN_END)

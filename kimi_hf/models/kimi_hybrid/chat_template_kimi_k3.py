@@ -656,6 +656,12 @@ def render_k3_reply(content: str = "", tool_calls=(), reasoning_content: str | N
     return rendered[0][len(start) :]
 
 
+def has_k3_markup(tokenizer) -> bool:
+    """Whether `tokenizer` has Kimi K3's chat markup (XTML: replies end with <|end_of_msg|>)."""
+    end = tokenizer.convert_tokens_to_ids(K3_STOP_TOKEN)
+    return end is not None and end != tokenizer.unk_token_id
+
+
 def k3_stop_token_ids(tokenizer) -> list[int]:
     """The ids K3 chat generation stops on: <|end_of_msg|> (the end of every message, K3's config eos), then
     the tokenizer's eos ([EOS], the end of a document) when it differs."""
@@ -703,6 +709,7 @@ __all__ = [
     "normalize_k3_messages",
     "unescape_attr",
     "k3_stop_token_ids",
+    "has_k3_markup",
     "render_k3_reply",
     "use_k3_chat_markup",
 ]

@@ -165,13 +165,13 @@ class KimiHybridImageProcessor(BaseImageProcessor):
         """Placeholder tokens the image takes in the text stream (one per merged patch group)."""
         return self.get_number_of_image_patches(height, width) // self.merge_size**2
 
-    def _resized_rgb(self, image, index: int) -> tuple[np.ndarray, tuple[int, int]]:
-        """(the image resized by `target_size`, [h, w, 3] uint8; its original (height, width))."""
+    def _resized_rgb(self, image, index: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
+        """(the image resized by `target_size`, [h, w, 3] uint8; its original (height, width); the padded one)."""
         arr = _to_rgb_uint8(image, index)
-        (h, w), _ = self.target_size(*arr.shape[:2])
+        (h, w), padded = self.target_size(*arr.shape[:2])
         if (h, w) != arr.shape[:2]:
-            return np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC)), arr.shape[:2]
-        return arr, arr.shape[:2]
+            return np.asarray(Image.fromarray(arr).resize((w, h), Image.BICUBIC)), arr.shape[:2], padded
+        return arr, arr.shape[:2], padded
 
     def _normalize(self, x: np.ndarray) -> np.ndarray:
         """[h, w, 3] float32 pixel values in 0..255 -> rescaled and normalised."""
@@ -180,9 +180,8 @@ class KimiHybridImageProcessor(BaseImageProcessor):
         )
 
     def _one(self, image, index: int) -> tuple[np.ndarray, tuple[int, int, int], tuple[int, int]]:
-        arr, size = self._resized_rgb(image, index)
+        arr, size, (ph, pw) = self._resized_rgb(image, index)
         h, w = arr.shape[:2]
-        _, (ph, pw) = self.target_size(*size)
         padded = np.zeros((ph, pw, 3), dtype=np.float32)  # black padding, bottom and right
         padded[:h, :w] = arr
         x = self._normalize(padded)
@@ -321,16 +320,16 @@ class KimiK3ImageProcessor(KimiHybridImageProcessor):
         super().__init__(**settings, **kwargs)
         self.transparent_bg_config, self.transparent_bg_fill_stage = background, stage
 
-    def _resized_rgb(self, image, index: int) -> tuple[np.ndarray, tuple[int, int]]:
+    def _resized_rgb(self, image, index: int) -> tuple[np.ndarray, tuple[int, int], tuple[int, int]]:
         image = _to_pil(image, index)
         size = (image.height, image.width)
-        (h, w), _ = self.target_size(*size)
+        (h, w), padded = self.target_size(*size)
         # K3 resizes even at scale 1 (PIL then returns a copy) and in the image's own mode (alpha kept)
         if self.transparent_bg_fill_stage == "before_resize":
             image = fill_transparent(image, self.transparent_bg_config).resize((w, h), Image.BICUBIC)
         else:
             image = fill_transparent(image.resize((w, h), Image.BICUBIC), self.transparent_bg_config)
-        return np.asarray(image), size
+        return np.asarray(image), size, padded
 
     def _normalize(self, x: np.ndarray) -> np.ndarray:
         # K3's order of operations, in place in float32: x / 255, minus the mean, times the inverse of the std

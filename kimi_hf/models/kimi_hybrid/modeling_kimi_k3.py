@@ -186,8 +186,7 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
             options = {
                 k: kwargs.get(k) for k in ("cache_dir", "revision", "token", "local_files_only") if kwargs.get(k)
             }
-            with contextlib.suppress(OSError, ValueError):
-                found = None
+            try:
                 found = cached_file(
                     path,
                     "generation_config.json",
@@ -195,6 +194,8 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
                     _raise_exceptions_for_missing_entries=False,
                     **options,
                 )
+            except (OSError, ValueError):  # offline, or no such repository: as if there were none
+                found = None
             found = found is not None
         if not found:
             self.generation_config = GenerationConfig.from_model_config(self.config)

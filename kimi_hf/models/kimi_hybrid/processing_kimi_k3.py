@@ -80,11 +80,11 @@ class KimiK3Processor(KimiHybridProcessor):
         if not os.path.isdir(folder):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
         image_config = os.path.join(folder, "preprocessor_config.json")
-        released_images = released_tokenizer = False
+        settings = {}
         if os.path.isfile(image_config):
             with open(image_config, encoding="utf-8") as f:
                 settings = json.load(f)
-            released_images = "image_processor_type" not in settings
+        released_images = bool(settings) and "image_processor_type" not in settings
         released_tokenizer = not os.path.isfile(os.path.join(folder, "tokenizer.json")) and os.path.isfile(
             os.path.join(folder, "tiktoken.model")
         )

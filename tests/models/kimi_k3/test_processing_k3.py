@@ -184,3 +184,32 @@ def test_saved_processor_reloads_and_makes_the_model_stop_at_end_of_msg(proc, tm
     assert again.apply_chat_template(messages, tokenize=False) == proc.apply_chat_template(messages, tokenize=False)
     assert again.tokenizer.convert_tokens_to_ids("<|close|>") == 260
     assert again.tokenizer.decode([260, 261], skip_special_tokens=True) == "<|close|><|sep|>"  # not special
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_collator_labels_are_the_templates_generation_spans(proc, thinking):
+    """The fine-tuning collator's labels on K3's markup: exactly what the chat template marks as the assistant's
+    own tokens ({% generation %}: after the generation prompt, through <|end_of_msg|>), over two turns; with an
+    image, never the image's pads."""
+    from kimi_hf.collators import IGNORE_INDEX, KimiHybridVisionCollator
+
+    options = {"thinking_effort": None, "enable_thinking": thinking}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "yo", "reasoning_content": "hm"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "ok"},
+    ]
+    collator = KimiHybridVisionCollator(proc, chat_template_kwargs=options)
+    batch = collator([{"messages": messages}])
+    enc = proc.tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **options
+    )
+    assert batch["input_ids"][0].tolist() == enc["input_ids"]
+    assert (batch["labels"][0] != IGNORE_INDEX).int().tolist() == enc["assistant_masks"]
+    with_image = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "n?"}]}, messages[-1]]
+    batch = collator([{"messages": with_image, "images": [rgb(56, 56)]}])
+    labels, ids = batch["labels"][0], batch["input_ids"][0]
+    assert (ids == TINY_CHAT_MEDIA_PAD_ID).sum() == 4 and (labels[ids == TINY_CHAT_MEDIA_PAD_ID] == IGNORE_INDEX).all()
+    reply = proc.tokenizer.decode(ids[labels != IGNORE_INDEX], skip_special_tokens=False)
+    assert reply.endswith("ok<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>")

@@ -174,7 +174,7 @@ def convert_k3(
     comparison) where experts_dequantised counts the MXFP4 weights (one per expert and w1 / w2 / w3), bytes
     is the tensor data written, lossless False when a tensor was cast to a narrower
     dtype (float32 tensors of SRC to bfloat16, or float16 that could not hold an expert exactly), and
-    peak_rss_growth_mb the peak resident memory of the conversion above what the process held before it.
+    peak_rss_growth_mb the peak resident memory while streaming the tensors above what the process held before.
     Errors (FileNotFoundError, FileExistsError, ValueError, OSError) name the file or tensor at fault.
     """
     t0 = time.time()
@@ -230,6 +230,7 @@ def convert_k3(
                         bar.update(out.nbytes)
             check_written(os.path.join(tmp, file), shard)
         reader.close()
+        streamed = _peak_rss_mb()  # the tensors' part; the tokenizer step below imports tokenizers/transformers
         if len(shards) > 1:
             weight_map = {o.name: file for shard, file in zip(shards, names) for o in shard}
             index = {"metadata": {"total_size": plan.nbytes}, "weight_map": dict(sorted(weight_map.items()))}
@@ -257,7 +258,7 @@ def convert_k3(
             "tokenizer_converted": tokenizer_converted,
             "skipped_files": plan.skipped_files,
             "peak_rss_mb": peak,
-            "peak_rss_growth_mb": max(0.0, peak - baseline),
+            "peak_rss_growth_mb": max(0.0, streamed - baseline),
         }
         if verify:
             report["verify"] = verify_k3(src, tmp, verify_layers, None if lossless else dtype_name(dtype))
@@ -278,6 +279,8 @@ def _fast_tokenizer(src: str, tmp: str, config: dict) -> bool:
     and response templates, so that AutoTokenizer needs neither remote code nor the tiktoken package; the
     generation config (written from config.json's ids when the release has none) stops at <|end_of_msg|>, then
     [EOS]. Returns whether it converted."""
+    if not os.path.exists(os.path.join(src, "tiktoken.model")):
+        return False  # before importing tokenizers and transformers' tokenizer classes (tens of MB)
     from .tokenizer import convert_tokenizer_dir, stop_generation_at_turn_end
 
     if not convert_tokenizer_dir(src, tmp):

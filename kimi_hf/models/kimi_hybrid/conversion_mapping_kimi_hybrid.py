@@ -100,10 +100,41 @@ class Flatten(ConversionOps):
         raise NotImplementedError("Flatten is load-only: the reverse needs the source shape")
 
 
+def _placements(param):
+    """(device mesh, placements) of a DTensor parameter (tensor parallelism), else None."""
+    if param is None or not torch.distributed.is_available():
+        return None
+    from torch.distributed.tensor import DTensor
+
+    return (param.device_mesh, tuple(param.placements)) if isinstance(param, DTensor) else None
+
+
+def _gather_loaded(local: torch.Tensor, param_shape, mesh, placements) -> torch.Tensor | None:
+    """Under tensor parallelism transformers' loader cuts each checkpoint tensor by its parameter's placements
+    along the *checkpoint tensor's* dim 0 before any conversion runs: right for A_log stored [H], wrong for
+    [head_dim] (K3: rank 1 of 2 gets entries 64..127, half of them padding, instead of heads 48..95) and for
+    [1, 1, H, 1] (all on rank 0). Returns None when the stored tensor is the parameter's shape (the cut is the
+    parameter's), else the whole stored tensor, gathered from every rank's slice (a collective: every rank loads
+    every A_log, in the same order). The sizes are summed over the mesh first, so the cut may be uneven."""
+    from torch.distributed.tensor import DTensor
+
+    size = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
+    for dim, placement in enumerate(placements):
+        if placement.is_shard():
+            torch.distributed.all_reduce(size, group=mesh.get_group(dim))
+    shape = (int(size), *local.shape[1:])
+    if shape == tuple(param_shape):
+        return None
+    stride = tuple(int(torch.Size(shape[i + 1 :]).numel()) for i in range(len(shape)))
+    return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
+
+
 class FitALog(ConversionOps):
     """A_log to the model's [H]: Moonshot's Kimi Linear [1, 1, H, 1] is reshaped; Kimi K3's release stores
     [head_dim] with the H heads first and zeros after (K3: 96 of 128), which is narrowed to H. Padding that is
-    not zero is refused by name (it would be heads the model does not have)."""
+    not zero is refused by name (it would be heads the model does not have). Under tensor parallelism the
+    loader's slices of a stored tensor of another shape are gathered first (_gather_loaded) and this rank's heads
+    cut from the result."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
@@ -111,14 +142,21 @@ class FitALog(ConversionOps):
             raise ValueError(f"FitALog takes one tensor, got {list(input_dict)}")
         tensors = next(iter(input_dict.values()))
         stored = tensors[0] if isinstance(tensors, list) else tensors
-        tensor = stored.reshape(-1)
-        heads = head_dim = None
+        param = heads = head_dim = None
         if model is not None and full_layer_name is not None:
             try:
-                heads = model.get_parameter(full_layer_name).shape[0]
+                param = model.get_parameter(full_layer_name)
+                heads = param.shape[0]  # a DTensor's global shape
             except AttributeError:
-                heads = None
+                param = None
             head_dim = getattr(model.config.get_text_config(), "linear_head_dim", None)
+        sharded = _placements(param)
+        if sharded is not None:
+            whole = _gather_loaded(stored, param.shape, *sharded)
+            if whole is None:
+                return {target_patterns[0]: stored}
+            stored = whole
+        tensor = stored.reshape(-1)
         # only K3's layout (1-D, head_dim long) is padded; another count of heads stays a size mismatch, by name
         if heads is not None and stored.ndim == 1 and tensor.numel() == head_dim and head_dim > heads:
             if tensor[heads:].count_nonzero():
@@ -127,6 +165,11 @@ class FitALog(ConversionOps):
                     "heads, but entries beyond the heads are not zero padding"
                 )
             tensor = tensor[:heads].clone()
+        if sharded is not None and tensor.numel() == heads:
+            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+            (size,), (start,) = compute_local_shape_and_global_offset(param.shape, *sharded)
+            tensor = tensor[start : start + size].clone()
         return {target_patterns[0]: tensor}
 
     @property

@@ -374,12 +374,19 @@ class KimiHybridMLA(nn.Module):
         kv_b_proj scale by sqrt(gamma), its rope query rows by gamma; the rope key, shared by all
         heads, is never touched. gamma: one factor per head of the model, or per local head (tensor parallelism:
         the heads this rank's shard holds). kimi_hf.optim.QKClip records the max logits (an attention wrapper)."""
-        H, nope, rope, v = gamma.shape[0], self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        nope, rope, v = self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim
+        q_weight = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight
+        local_heads = (q_weight.to_local() if hasattr(q_weight, "to_local") else q_weight).shape[0] // self.qk_head_dim
+        if gamma.ndim != 1 or gamma.shape[0] not in (self.num_heads, local_heads):
+            raise ValueError(
+                f"apply_qk_clip: gamma must hold one factor per head ({self.num_heads}) or per local head "
+                f"({local_heads}), got shape {tuple(gamma.shape)}"
+            )
+        H = gamma.shape[0]
         gamma = gamma.float()
         root = gamma.sqrt()[:, None]
         q_rows = torch.cat([root.expand(H, nope), gamma[:, None].expand(H, rope)], 1).flatten()
         kv_rows = torch.cat([root.expand(H, nope), torch.ones(H, v, device=gamma.device)], 1).flatten()
-        q_weight = self.q_proj.weight if self.q_lora_rank is None else self.q_b_proj.weight
         for weight, rows in ((q_weight, q_rows), (self.kv_b_proj.weight, kv_rows)):
             local = weight.to_local() if hasattr(weight, "to_local") else weight
             if local.shape[0] != rows.shape[0]:  # FSDP2 / TP shard on dim 0: this rank's rows (torch.chunk split)
@@ -746,9 +753,18 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         return push_depth_output(partial, blocks, out, s + 1, self.block_size)
 
 
-def check_parallel_layout(text_config: KimiHybridTextConfig, tp_plan: dict[str, str], distributed_config) -> None:
-    """Raises ValueError for a layout the model cannot run: pipeline parallelism with Attention Residuals, or a
-    per-head TP plan whose head counts tp_size does not divide (a rank would hold part of a head)."""
+def check_parallel_layout(
+    text_config: KimiHybridTextConfig, tp_plan: dict[str, str], distributed_config, multimodal: bool = False
+) -> None:
+    """Raises ValueError for a layout the model cannot run: pipeline parallelism with Attention Residuals or of a
+    multimodal model, or a per-head TP plan whose head counts tp_size does not divide (a rank would hold part of a
+    head)."""
+    if distributed_config.pp_size > 1 and multimodal:
+        raise ValueError(
+            "pipeline parallelism (pp_size > 1) of the multimodal model: transformers' pipeline splits "
+            "base_model.layers, and this model's decoder is model.language_model behind the vision tower; use tensor "
+            "/ expert parallelism, or load the text model (AutoModelForCausalLM on a text-only checkpoint)"
+        )
     if distributed_config.pp_size > 1 and text_config.attn_residual != "none":
         raise ValueError(_ATTN_RES_PP_ERROR)
     tp = distributed_config.tp_size

@@ -21,7 +21,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from .configuration_kimi_hybrid import KimiHybridConfig
 from .hub_kimi_hybrid import RemoteCodeMixin
-from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
+from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, check_parallel_layout, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 
 
@@ -39,6 +39,15 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     # decoding steps (text tokens over the cache) compile as the text model's do; the prefill with images does not
     # (the vision tower's shapes follow each image's grid) and generate runs it eagerly
     _can_compile_fullgraph = True
+
+    @classmethod
+    def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
+        """transformers' parallelism at load time: the decoder takes the text model's plan under
+        model.language_model. (the vision tower and projector replicated), with the text model's checks
+        (check_parallel_layout); pipeline parallelism is refused by name."""
+        if distributed_config is not None:
+            check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config, multimodal=True)
+        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 
 
 class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):

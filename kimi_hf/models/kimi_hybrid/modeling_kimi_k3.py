@@ -78,6 +78,17 @@ def _inverse_vision_renames() -> list[tuple[re.Pattern, str]]:
 _RES_NAMES = (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res"), ("final_res", "output_attn_res"))
 
 
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor- / expert-parallel parameter (DTensor) gathered whole (a collective: every rank calls it, in the
+    state dict's order); a plain tensor as it is."""
+    if torch.distributed.is_available():
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(tensor, DTensor):
+            return tensor.full_tensor()
+    return tensor
+
+
 def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str = "mxfp4") -> dict[str, torch.Tensor]:
     """The model's tensors under Kimi K3's released names and shapes (the inverse of the load-time conversion):
     `language_model.model.*` / `language_model.lm_head.weight` / `vision_tower.*` / `mm_projector.*`, MoE blocks as
@@ -91,7 +102,7 @@ def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str =
     vision_renames = _inverse_vision_renames()
     out = {}
     for name, tensor in model.state_dict().items():
-        tensor = tensor.detach()
+        tensor = _full(tensor.detach())
         if name.startswith("lm_head."):
             out["language_model." + name] = tensor
             continue
@@ -156,15 +167,20 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
-        """Tensor / expert parallelism of K3's released layout is refused by name for now: the loader shards each
-        checkpoint tensor before the conversion runs, and K3's A_log [head_dim] (heads first, zero padding after)
-        cannot be split by head before it is narrowed (rank 1 would get padding). Single-process loads
-        (device_map="auto" included) are unaffected."""
-        if distributed_config is not None and max(distributed_config.tp_size, distributed_config.ep_size) > 1:
+        """Under tensor parallelism MXFP4 experts are sharded before they are decoded: each rank's slice of
+        down_proj's input (moe_intermediate_size / tp) must hold whole 32-value scale blocks."""
+        text = model.config.text_config
+        if (
+            distributed_config is not None
+            and distributed_config.tp_size > 1
+            and distributed_config.ep_size <= 1
+            and experts_are_mxfp4(text)
+            and text.moe_intermediate_size % (32 * distributed_config.tp_size)
+        ):
             raise ValueError(
-                "KimiK3ForConditionalGeneration: tensor / expert parallelism (tp_plan, DistributedConfig) of the "
-                "released K3 layout is not supported yet (A_log is stored zero-padded to head_dim and would be "
-                "sharded before it is narrowed); load on one process (device_map='auto' spreads it over devices)"
+                f"moe_intermediate_size {text.moe_intermediate_size} / tp_size {distributed_config.tp_size} is not a "
+                "multiple of 32, the MXFP4 scale block of the released experts: a rank's slice of each expert's w2 "
+                "would split a block (use another tp_size, ep_size=tp_size, or a dequantised copy: kimi-hf convert k3)"
             )
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
 

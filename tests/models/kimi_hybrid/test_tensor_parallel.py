@@ -1,6 +1,7 @@
 """Tensor, expert and pipeline parallelism through transformers' plans (docs/parallelism.md), on CPU.
 
-One `torchrun --nproc_per_node 2` run (gloo, tp_worker.py) loads two tiny checkpoints three ways each:
+One `torchrun --nproc_per_node 2` run (gloo, tp_worker.py) loads two tiny checkpoints three ways each (and the
+first again in Moonshot's Kimi-Linear layout):
 `from_pretrained(path, tp_plan="auto")`, `DistributedConfig(tp_size=2, ep_size=2)` and
 `DistributedConfig(pp_size=2)`; the tests compare what it computed (logits, packed documents, greedy
 generation with the cache, loss and gradients) with the same computation in this process, and check
@@ -81,6 +82,8 @@ def runs(tmp_path_factory):
             root / name / "inputs.pt",
         )
         args.append(f"{root / name}:{impl}" if impl else str(root / name))
+    write_moonshot_layout(root / "plain", root / MOONSHOT)
+    args.append(str(root / MOONSHOT))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -96,7 +99,12 @@ def runs(tmp_path_factory):
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    results = {"root": root}
+    results = {"root": root, MOONSHOT: {}}
+    for layout in ("tp", "ep"):
+        for rank in (0, 1):
+            results[MOONSHOT][layout, rank] = torch.load(
+                root / f"{MOONSHOT}-{layout}-rank{rank}.pt", weights_only=False
+            )
     for name, (_, impl) in CASES.items():
         model = KimiHybridForCausalLM.from_pretrained(root / name, experts_implementation=impl)
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -107,8 +115,62 @@ def runs(tmp_path_factory):
     return results
 
 
+MOONSHOT = "plain_moonshot_layout"
+
+
+def write_moonshot_layout(src: Path, dst: Path) -> None:
+    """The checkpoint at src in Moonshot's Kimi-Linear layout (what their release and transformers' kimi_linear
+    write): A_log [1, 1, H, 1], MoE blocks as block_sparse_moe with per-expert w1 / w3 / w2, two shards + index;
+    the same config.json. transformers cuts A_log [1, 1, H, 1] on its first dim (all of it on rank 0)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(src / "model.safetensors")
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("self_attn.A_log"):
+            out[name] = tensor.reshape(1, 1, -1, 1)
+        elif name.endswith("mlp.experts.gate_up_proj"):
+            base = name.replace(".mlp.", ".block_sparse_moe.").removesuffix("gate_up_proj")
+            for e, (w1, w3) in enumerate(zip(*tensor.chunk(2, 1))):
+                out[f"{base}{e}.w1.weight"], out[f"{base}{e}.w3.weight"] = w1.contiguous(), w3.contiguous()
+        elif name.endswith("mlp.experts.down_proj"):
+            base = name.replace(".mlp.", ".block_sparse_moe.").removesuffix("down_proj")
+            for e, w2 in enumerate(tensor):
+                out[f"{base}{e}.w2.weight"] = w2.contiguous()
+        else:
+            out[
+                name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(
+                    ".mlp.shared", ".block_sparse_moe.shared"
+                )
+            ] = tensor
+    dst.mkdir()
+    names = sorted(out)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    for file, keys in shards.items():
+        save_file({k: out[k] for k in keys}, dst / file, metadata={"format": "pt"})
+    index = {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    for file in ("config.json", "inputs.pt"):
+        shutil.copy(src / file, dst / file)
+
+
 def max_diff(a, b) -> float:
     return (a - b).abs().max().item()
+
+
+def assert_same_results(res: dict, ref: dict, keys: tuple[str, ...], atol: float) -> None:
+    """A rank's results (tp_worker.compute) against one process's: the outputs named by keys within atol, greedy
+    tokens equal, loss and every gradient within atol."""
+    for key in keys:
+        assert max_diff(res[key], ref[key]) < atol, (key, max_diff(res[key], ref[key]))
+    assert torch.equal(res["tokens"], ref["tokens"])  # greedy generation with the cache
+    assert abs(res["loss"].item() - ref["loss"].item()) < atol
+    assert res["grads"].keys() == ref["grads"].keys()
+    worst = max((max_diff(res["grads"][n], g), n) for n, g in ref["grads"].items())
+    assert worst[0] < atol, worst
 
 
 def expected_shard(full: torch.Tensor, placements: str, rank: int) -> torch.Tensor:
@@ -123,16 +185,21 @@ def expected_shard(full: torch.Tensor, placements: str, rank: int) -> torch.Tens
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("layout", ["tp", "ep"])
 def test_matches_single_process(runs, case, layout):
-    ref = runs[case]["ref"]
     for rank in (0, 1):
-        res = runs[case][layout, rank]
+        assert_same_results(runs[case][layout, rank], runs[case]["ref"], ("logits", "packed", "scores"), ATOL)
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_moonshot_layout_loads_sharded_as_ours(runs, layout):
+    """Moonshot's Kimi-Linear layout of the "plain" checkpoint under TP / EP: every rank holds the same shards as
+    from our layout (A_log [1, 1, H, 1] gathered and cut by head), and computes the same."""
+    for rank in (0, 1):
+        got, ours = runs[MOONSHOT][layout, rank], runs["plain"][layout, rank]
+        assert got["shards"].keys() == ours["shards"].keys()
+        for name, shard in ours["shards"].items():
+            assert torch.equal(got["shards"][name]["local"], shard["local"]), name
         for key in ("logits", "packed", "scores"):
-            assert max_diff(res[key], ref[key]) < ATOL, (key, max_diff(res[key], ref[key]))
-        assert torch.equal(res["tokens"], ref["tokens"])  # greedy generation with the cache
-        assert abs(res["loss"].item() - ref["loss"].item()) < ATOL
-        assert res["grads"].keys() == ref["grads"].keys()
-        worst = max((max_diff(res["grads"][n], g), n) for n, g in ref["grads"].items())
-        assert worst[0] < ATOL, worst
+            assert max_diff(got[key], runs["plain"]["ref"][key]) < ATOL, key
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -363,3 +430,5 @@ def test_qk_clip_on_local_heads():
     local.apply_qk_clip(gamma[2:])  # this rank's heads 2 and 3
     assert torch.equal(local.q_proj.weight, full.q_proj.weight[2 * rows_q :])
     assert torch.equal(local.kv_b_proj.weight, full.kv_b_proj.weight[2 * rows_kv :])
+    with pytest.raises(ValueError, match=r"one factor per head \(4\) or per local head \(2\), got shape \(3,\)"):
+        local.apply_qk_clip(gamma[:3])

@@ -12,9 +12,11 @@ For each checkpoint folder (written by the test, with `inputs.pt`) and each of t
 
 it computes what the test also computes in one process: the logits of a batch and of packed documents,
 greedy generation with the cache (scores and tokens), the training loss and every parameter's gradient
-(gathered; not for pp), and records each DTensor parameter's local shard and placement; for tp and
-ep it records QK-Clip's max logits, saves the model again (OUT/<case>-<layout>-saved) and applies QK-Clip
-to the sharded MLA weights.
+(gathered; not for pp), with images when inputs.pt has pixel_values (Kimi K3: the vision tower replicated), and
+records each DTensor parameter's local shard and placement; for tp and ep it records QK-Clip's max logits, saves
+the model again (OUT/<case>-<layout>-saved) and applies QK-Clip to the sharded MLA weights. The model class is
+AutoModelForCausalLM's for the folder (KimiHybridForCausalLM; a K3 folder in the released layout:
+KimiK3ForConditionalGeneration).
 Each rank writes OUT/<case>-<layout>-rank<r>.pt (a load that is refused: {"refused": message}).
 """
 
@@ -25,9 +27,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
-from kimi_hf import KimiHybridForCausalLM
+import kimi_hf  # noqa: F401  (registers the Auto classes)
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts, KimiHybridMLA
 from kimi_hf.optim import QKClip
 
@@ -35,7 +38,7 @@ from kimi_hf.optim import QKClip
 QK_CLIP_GAMMA = torch.tensor([0.5, 1.0, 0.25, 0.8])  # one per MLA head (4)
 
 
-def compute(model: KimiHybridForCausalLM, inputs: dict, backward: bool = True) -> dict:
+def compute(model, inputs: dict, backward: bool = True) -> dict:
     """What the test compares; the same function runs the single-process reference."""
     model.eval()
     with torch.no_grad():
@@ -48,7 +51,11 @@ def compute(model: KimiHybridForCausalLM, inputs: dict, backward: bool = True) -
             output_scores=True,
             return_dict_in_generate=True,
         )
-    result = {"logits": logits, "packed": packed, "tokens": gen.sequences, "scores": torch.stack(gen.scores)}
+        result = {"logits": logits, "packed": packed, "tokens": gen.sequences, "scores": torch.stack(gen.scores)}
+        if "pixel_values" in inputs:
+            result["images"] = model(
+                inputs["image_ids"], pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
+            ).logits
     if not backward:
         return result
     model.train()
@@ -62,7 +69,7 @@ def compute(model: KimiHybridForCausalLM, inputs: dict, backward: bool = True) -
     return {**result, "loss": loss.detach(), "grads": grads}
 
 
-def record_max_logits(model: KimiHybridForCausalLM, inputs: dict) -> list[torch.Tensor]:
+def record_max_logits(model, inputs: dict) -> list[torch.Tensor]:
     """QK-Clip's per-head max logits of one training forward, all-reduced (tau high enough to clip nothing)."""
     clip = QKClip(model, tau=1e9)
     model.train()
@@ -84,7 +91,9 @@ def main(out: Path, cases: list[str]):
                 "pp": dict(distributed_config=DistributedConfig(pp_size=2)),
             }[layout]
             try:
-                model = KimiHybridForCausalLM.from_pretrained(path, experts_implementation=impl or None, **kw)
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, experts_implementation=impl or None, dtype=torch.float32, **kw
+                )
             except ValueError as e:  # pipeline parallelism with Attention Residuals: refused at load, on both ranks
                 torch.save({"refused": str(e)}, out / f"{Path(path).name}-{layout}-rank{dist.get_rank()}.pt")
                 continue
@@ -99,7 +108,8 @@ def main(out: Path, cases: list[str]):
             }
             result["local_experts"] = [m.num_experts for m in model.modules() if isinstance(m, KimiHybridExperts)]
             result["experts_implementation"] = model.config._experts_implementation
-            result["layers"] = [type(layer).__name__ for layer in model.model.layers]
+            decoder = getattr(model.model, "language_model", model.model)
+            result["layers"] = [type(layer).__name__ for layer in decoder.layers]
             if layout != "pp":
                 result["qk_max"] = record_max_logits(model, inputs)  # each rank records its heads
                 model.save_pretrained(out / f"{Path(path).name}-{layout}-saved")  # gathers the shards (all ranks)

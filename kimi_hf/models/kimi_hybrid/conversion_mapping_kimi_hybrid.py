@@ -19,6 +19,10 @@ The same names as kimi_hf.conversion.kimi_linear (the offline converter, which s
 dtype and sharding jobs and checks every name and shape first). A checkpoint in our own layout matches
 none of these (A_log [H] goes through the reshape unchanged).
 
+Under tensor parallelism transformers cuts each checkpoint tensor before these transforms run, by the target
+parameter's placements along the stored tensor's first dim: FitALog and ChunkStacked gather what that cut gets
+wrong (A_log stored in another shape, stacked convs) and keep this rank's part.
+
 The transforms are load-only: `save_pretrained` writes our layout (what the offline converter writes),
 whether the model was loaded from Moonshot's layout, from ours or built from a config. transformers'
 default would write the source layout back (`save_original_format=True`), which next to our
@@ -100,6 +104,16 @@ class Flatten(ConversionOps):
         raise NotImplementedError("Flatten is load-only: the reverse needs the source shape")
 
 
+def _target_param(model, full_layer_name):
+    """The model's parameter a conversion fills (a DTensor's shape is the global one), or None."""
+    if model is None or full_layer_name is None:
+        return None
+    try:
+        return model.get_parameter(full_layer_name)
+    except AttributeError:
+        return None
+
+
 def _placements(param):
     """(device mesh, placements) of a DTensor parameter (tensor parallelism), else None."""
     if param is None or not torch.distributed.is_available():
@@ -111,11 +125,12 @@ def _placements(param):
 
 def _gather_loaded(local: torch.Tensor, param_shape, mesh, placements) -> torch.Tensor | None:
     """Under tensor parallelism transformers' loader cuts each checkpoint tensor by its parameter's placements
-    along the *checkpoint tensor's* dim 0 before any conversion runs: right for A_log stored [H], wrong for
-    [head_dim] (K3: rank 1 of 2 gets entries 64..127, half of them padding, instead of heads 48..95) and for
-    [1, 1, H, 1] (all on rank 0). Returns None when the stored tensor is the parameter's shape (the cut is the
-    parameter's), else the whole stored tensor, gathered from every rank's slice (a collective: every rank loads
-    every A_log, in the same order). The sizes are summed over the mesh first, so the cut may be uneven."""
+    along the *checkpoint tensor's* dim 0 before any conversion runs: right for a tensor of the parameter's shape,
+    wrong for A_log stored [head_dim] (K3: rank 1 of 2 gets entries 64..127, half of them padding, instead of heads
+    48..95), [1, 1, H, 1] (all on rank 0) or stacked q/k/v convs. Returns None when the stored tensor has the
+    parameter's shape (the cut is the parameter's), else the whole stored tensor, gathered from every rank's slice
+    (a collective: every rank converts every key, in the same order). The sizes are summed over the mesh first,
+    so the cut may be uneven."""
     from torch.distributed.tensor import DTensor
 
     size = torch.tensor([local.shape[0]], dtype=torch.int64, device=local.device)
@@ -127,6 +142,33 @@ def _gather_loaded(local: torch.Tensor, param_shape, mesh, placements) -> torch.
         return None
     stride = tuple(int(torch.Size(shape[i + 1 :]).numel()) for i in range(len(shape)))
     return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride).full_tensor()
+
+
+def _local_part(full: torch.Tensor, param, mesh, placements) -> torch.Tensor:
+    """This rank's slice of a whole tensor of param's global shape, as param's placements cut it."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
+
+
+class ChunkStacked(Chunk):
+    """transformers' Chunk (one stacked tensor -> equal parts, e.g. q/k/v short convs on dim 0), safe under tensor
+    parallelism: the loader has cut the stacked tensor by the placements of the *first* target (rank 0 of 2 would
+    get q and half of k), so its slices are gathered back first and each part cut by its own parameter."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        param = _target_param(model, full_layer_name)
+        sharded = _placements(param)
+        if sharded is None or self.dim != 0:
+            return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        tensors = next(iter(input_dict.values()))
+        whole = _gather_loaded(tensors[0] if isinstance(tensors, list) else tensors, param.shape, *sharded)
+        if whole is None:  # not stacked after all: the size mismatch is reported by name
+            return super().convert(input_dict, source_patterns, target_patterns, **kwargs)
+        parts = whole.chunk(len(target_patterns))
+        return {t: _local_part(part, param, *sharded) for t, part in zip(target_patterns, parts)}
 
 
 class FitALog(ConversionOps):
@@ -142,14 +184,9 @@ class FitALog(ConversionOps):
             raise ValueError(f"FitALog takes one tensor, got {list(input_dict)}")
         tensors = next(iter(input_dict.values()))
         stored = tensors[0] if isinstance(tensors, list) else tensors
-        param = heads = head_dim = None
-        if model is not None and full_layer_name is not None:
-            try:
-                param = model.get_parameter(full_layer_name)
-                heads = param.shape[0]  # a DTensor's global shape
-            except AttributeError:
-                param = None
-            head_dim = getattr(model.config.get_text_config(), "linear_head_dim", None)
+        param = _target_param(model, full_layer_name)
+        heads = None if param is None else param.shape[0]
+        head_dim = None if model is None else getattr(model.config.get_text_config(), "linear_head_dim", None)
         sharded = _placements(param)
         if sharded is not None:
             whole = _gather_loaded(stored, param.shape, *sharded)
@@ -166,10 +203,7 @@ class FitALog(ConversionOps):
                 )
             tensor = tensor[:heads].clone()
         if sharded is not None and tensor.numel() == heads:
-            from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-            (size,), (start,) = compute_local_shape_and_global_offset(param.shape, *sharded)
-            tensor = tensor[start : start + size].clone()
+            tensor = _local_part(tensor, param, *sharded)
         return {target_patterns[0]: tensor}
 
     @property
@@ -264,7 +298,7 @@ def kimi_linear_mapping() -> list:
         LoadOnlyConverter(
             source_patterns=r"self_attn\.conv1d\.weight",
             target_patterns=["self_attn.q_conv1d.weight", "self_attn.k_conv1d.weight", "self_attn.v_conv1d.weight"],
-            operations=[Chunk(dim=0)],
+            operations=[ChunkStacked(dim=0)],
         ),
         # per-expert SwiGLU weights stacked: [E, 2I, H] with gate (w1) rows before up (w3) rows, [E, H, I]
         LoadOnlyConverter(
@@ -363,6 +397,7 @@ def register_k3() -> None:
 __all__ = [
     "REGISTERED_CLASS",
     "K3_REGISTERED_CLASSES",
+    "ChunkStacked",
     "DequantizeMxfp4",
     "FitALog",
     "Flatten",

@@ -1,7 +1,7 @@
 """Tensor, expert and pipeline parallelism through transformers' plans (docs/parallelism.md), on CPU.
 
 One `torchrun --nproc_per_node 2` run (gloo, tp_worker.py) loads two tiny checkpoints three ways each (and the
-first again in Moonshot's Kimi-Linear layout):
+first again in Moonshot's and in transformers' in-memory Kimi-Linear layouts):
 `from_pretrained(path, tp_plan="auto")`, `DistributedConfig(tp_size=2, ep_size=2)` and
 `DistributedConfig(pp_size=2)`; the tests compare what it computed (logits, packed documents, greedy
 generation with the cache, loss and gradients) with the same computation in this process, and check
@@ -82,8 +82,9 @@ def runs(tmp_path_factory):
             root / name / "inputs.pt",
         )
         args.append(f"{root / name}:{impl}" if impl else str(root / name))
-    write_moonshot_layout(root / "plain", root / MOONSHOT)
-    args.append(str(root / MOONSHOT))
+    for layout in OTHER_LAYOUTS:
+        write_other_layout(root / "plain", root / f"plain-{layout}-layout", layout)
+        args.append(str(root / f"plain-{layout}-layout"))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -99,12 +100,13 @@ def runs(tmp_path_factory):
     ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    results = {"root": root, MOONSHOT: {}}
-    for layout in ("tp", "ep"):
-        for rank in (0, 1):
-            results[MOONSHOT][layout, rank] = torch.load(
-                root / f"{MOONSHOT}-{layout}-rank{rank}.pt", weights_only=False
-            )
+    results = {"root": root}
+    for other in OTHER_LAYOUTS:
+        results[other] = {
+            (layout, rank): torch.load(root / f"plain-{other}-layout-{layout}-rank{rank}.pt", weights_only=False)
+            for layout in ("tp", "ep")
+            for rank in (0, 1)
+        }
     for name, (_, impl) in CASES.items():
         model = KimiHybridForCausalLM.from_pretrained(root / name, experts_implementation=impl)
         state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -115,13 +117,18 @@ def runs(tmp_path_factory):
     return results
 
 
-MOONSHOT = "plain_moonshot_layout"
+# the "plain" checkpoint again in the other layouts the loader converts (conversion_mapping_kimi_hybrid.py)
+OTHER_LAYOUTS = ("moonshot", "transformers")
 
 
-def write_moonshot_layout(src: Path, dst: Path) -> None:
-    """The checkpoint at src in Moonshot's Kimi-Linear layout (what their release and transformers' kimi_linear
-    write): A_log [1, 1, H, 1], MoE blocks as block_sparse_moe with per-expert w1 / w3 / w2, two shards + index;
-    the same config.json. transformers cuts A_log [1, 1, H, 1] on its first dim (all of it on rank 0)."""
+def write_other_layout(src: Path, dst: Path, layout: str) -> None:
+    """The checkpoint at src in another layout, two shards + index, the same config.json:
+    "moonshot": Moonshot's Kimi-Linear release (what transformers' kimi_linear save_pretrained writes too): A_log
+        [1, 1, H, 1], MoE blocks as block_sparse_moe with per-expert w1 / w3 / w2;
+    "transformers": transformers' in-memory kimi_linear state dict: the decay gate's tensors under forget_gate.
+        (A_log [1, 1, H, 1]), the q / k / v short convs stacked in one conv1d.weight, experts stacked.
+    transformers' loader cuts A_log [1, 1, H, 1] on its first dim (all of it on rank 0) and the stacked convs by the
+    q conv's placements (rank 0: q and half of k): the conversion has to gather them."""
     import json
     import shutil
 
@@ -130,22 +137,29 @@ def write_moonshot_layout(src: Path, dst: Path) -> None:
     state = load_file(src / "model.safetensors")
     out = {}
     for name, tensor in state.items():
-        if name.endswith("self_attn.A_log"):
-            out[name] = tensor.reshape(1, 1, -1, 1)
-        elif name.endswith("mlp.experts.gate_up_proj"):
+        attn, _, leaf = name.rpartition("self_attn.")
+        if leaf == "A_log":
+            out[name if layout == "moonshot" else f"{attn}self_attn.forget_gate.A_log"] = tensor.reshape(1, 1, -1, 1)
+        elif layout == "transformers" and leaf in ("dt_bias", "f_a_proj.weight", "f_b_proj.weight"):
+            out[f"{attn}self_attn.forget_gate.{leaf}"] = tensor
+        elif layout == "transformers" and leaf.endswith("_conv1d.weight"):
+            if leaf.startswith("q"):
+                out[f"{attn}self_attn.conv1d.weight"] = torch.cat(
+                    [state[f"{attn}self_attn.{x}_conv1d.weight"] for x in "qkv"]
+                )
+        elif layout == "moonshot" and name.endswith("mlp.experts.gate_up_proj"):
             base = name.replace(".mlp.", ".block_sparse_moe.").removesuffix("gate_up_proj")
             for e, (w1, w3) in enumerate(zip(*tensor.chunk(2, 1))):
                 out[f"{base}{e}.w1.weight"], out[f"{base}{e}.w3.weight"] = w1.contiguous(), w3.contiguous()
-        elif name.endswith("mlp.experts.down_proj"):
+        elif layout == "moonshot" and name.endswith("mlp.experts.down_proj"):
             base = name.replace(".mlp.", ".block_sparse_moe.").removesuffix("down_proj")
             for e, w2 in enumerate(tensor):
                 out[f"{base}{e}.w2.weight"] = w2.contiguous()
+        elif layout == "moonshot":
+            moe = name.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+            out[moe.replace(".mlp.shared", ".block_sparse_moe.shared")] = tensor
         else:
-            out[
-                name.replace(".mlp.gate.", ".block_sparse_moe.gate.").replace(
-                    ".mlp.shared", ".block_sparse_moe.shared"
-                )
-            ] = tensor
+            out[name] = tensor
     dst.mkdir()
     names = sorted(out)
     shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
@@ -189,12 +203,14 @@ def test_matches_single_process(runs, case, layout):
         assert_same_results(runs[case][layout, rank], runs[case]["ref"], ("logits", "packed", "scores"), ATOL)
 
 
+@pytest.mark.parametrize("other", OTHER_LAYOUTS)
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_moonshot_layout_loads_sharded_as_ours(runs, layout):
-    """Moonshot's Kimi-Linear layout of the "plain" checkpoint under TP / EP: every rank holds the same shards as
-    from our layout (A_log [1, 1, H, 1] gathered and cut by head), and computes the same."""
+def test_other_layouts_load_sharded_as_ours(runs, layout, other):
+    """The "plain" checkpoint in Moonshot's / transformers' in-memory Kimi-Linear layout under TP / EP: every rank
+    holds the same shards as from our layout (A_log [1, 1, H, 1] and the stacked convs gathered and cut by
+    head), and computes the same."""
     for rank in (0, 1):
-        got, ours = runs[MOONSHOT][layout, rank], runs["plain"][layout, rank]
+        got, ours = runs[other][layout, rank], runs["plain"][layout, rank]
         assert got["shards"].keys() == ours["shards"].keys()
         for name, shard in ours["shards"].items():
             assert torch.equal(got["shards"][name]["local"], shard["local"]), name

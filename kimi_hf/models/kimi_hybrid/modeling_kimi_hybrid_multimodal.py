@@ -41,6 +41,13 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _can_compile_fullgraph = True
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """transformers tells whether `set_experts_implementation` / `experts_implementation=` apply by looking for
+        `@use_experts_implementation` in the class's own module; this model's experts are its decoder's
+        (modeling_kimi_hybrid.py), which the switch reaches through the sub-config."""
+        return KimiHybridTextModel._can_set_experts_implementation()
+
+    @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' parallelism at load time: the decoder takes the text model's plan under
         model.language_model. (the vision tower and projector replicated), with the text model's checks

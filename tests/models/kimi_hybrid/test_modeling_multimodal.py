@@ -261,3 +261,31 @@ def test_get_image_features_follows_the_transformers_vlm_api(setup):
     assert all((x - y).abs().max() <= 1e-5 for x, y in zip(full.pooler_output, out.pooler_output))
     assert isinstance(as_tuple, tuple) and torch.equal(as_tuple[0], out.last_hidden_state)
     assert all(torch.equal(x, y) for x, y in zip(as_tuple[1], out.pooler_output))
+
+
+def test_experts_implementation_switches_and_router_logits_come_back(setup):
+    """transformers' `_can_set_experts_implementation` looks for the experts decorator in the class's own module; the
+    multimodal classes reach their decoder's experts: set_experts_implementation switches them (same logits), and
+    output_router_logits returns one [tokens, experts] tensor per MoE layer with the load-balancing loss."""
+    from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts
+
+    model, proc = setup
+    batch = proc(images=[img(56, 56)], text=prompt(proc))
+    assert KimiHybridForConditionalGeneration._can_set_experts_implementation()
+    experts = [m for m in model.modules() if isinstance(m, KimiHybridExperts)]
+    before = model.config.get_text_config()._experts_implementation
+    with torch.no_grad():
+        ref = model(**batch).logits
+        for impl in ("eager", "grouped_mm"):
+            model.set_experts_implementation(impl)
+            assert model.config.get_text_config()._experts_implementation == impl
+            assert all(e.config._experts_implementation == impl for e in experts)
+            torch.testing.assert_close(model(**batch).logits, ref, atol=1e-5, rtol=1e-5)
+        out = model(**batch, output_router_logits=True)
+    model.set_experts_implementation(before)
+    sparse = model.config.get_text_config().mlp_layer_types.count("sparse")
+    tokens = batch["input_ids"].numel()
+    num_experts = model.config.get_text_config().num_experts
+    assert sparse > 0 and len(out.router_logits) == sparse
+    assert all(r.shape == (tokens, num_experts) for r in out.router_logits)
+    assert out.aux_loss is not None and torch.isfinite(out.aux_loss)

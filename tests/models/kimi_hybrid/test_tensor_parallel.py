@@ -1,14 +1,15 @@
 """Tensor, expert and pipeline parallelism through transformers' plans (docs/parallelism.md), on CPU.
 
-One `torchrun --nproc_per_node 2` run (gloo, tp_worker.py) loads two tiny checkpoints three ways each (and the
-first again in Moonshot's and in transformers' in-memory Kimi-Linear layouts):
+One `torchrun --nproc_per_node 2` run (gloo, tp_worker.py) loads each tiny checkpoint three ways:
 `from_pretrained(path, tp_plan="auto")`, `DistributedConfig(tp_size=2, ep_size=2)` and
 `DistributedConfig(pp_size=2)`; the tests compare what it computed (logits, packed documents, greedy
 generation with the cache, loss and gradients) with the same computation in this process, and check
-which parameters are sharded and how. About 10 s on 2 cores.
+which parameters are sharded and how. About 20 s on 2 cores.
 
-    plain         3 KDA + 1 MLA layers, q_proj (no q LoRA), grouped_mm experts
-    lora_attnres  MLA / KDA alternating, q LoRA, block Attention Residuals, grouped router, eager experts
+    plain            3 KDA + 1 MLA layers, q_proj (no q LoRA), grouped_mm experts
+    lora_attnres     MLA / KDA alternating, q LoRA, block Attention Residuals, grouped router, eager experts
+    plain-*-layout   plain in Moonshot's / transformers' in-memory Kimi-Linear layouts (load-time conversion)
+    multimodal_tied  the multimodal model with tied embeddings, an image in its inputs
 """
 
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from kimi_hf import KimiHybridForCausalLM
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import ATTN_RES_PP_PLAN, EP_PLAN, PP_PLAN, TP_PLAN
@@ -85,6 +87,7 @@ def runs(tmp_path_factory):
     for layout in OTHER_LAYOUTS:
         write_other_layout(root / "plain", root / f"plain-{layout}-layout", layout)
         args.append(str(root / f"plain-{layout}-layout"))
+    args.append(str(write_tied_multimodal(root / MULTIMODAL)))
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [
         sys.executable,
@@ -101,6 +104,13 @@ def runs(tmp_path_factory):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
     results = {"root": root}
+    model = AutoModelForCausalLM.from_pretrained(root / MULTIMODAL)
+    results[MULTIMODAL] = {"ref": compute(model, torch.load(root / MULTIMODAL / "inputs.pt"))}
+    for layout in ("tp", "ep"):
+        for rank in (0, 1):
+            results[MULTIMODAL][layout, rank] = torch.load(
+                root / f"{MULTIMODAL}-{layout}-rank{rank}.pt", weights_only=False
+            )
     for other in OTHER_LAYOUTS:
         results[other] = {
             (layout, rank): torch.load(root / f"plain-{other}-layout-{layout}-rank{rank}.pt", weights_only=False)
@@ -115,6 +125,41 @@ def runs(tmp_path_factory):
             for rank in (0, 1):
                 results[name][layout, rank] = torch.load(root / f"{name}-{layout}-rank{rank}.pt", weights_only=False)
     return results
+
+
+MULTIMODAL = "multimodal_tied"
+
+
+def write_tied_multimodal(folder: Path) -> Path:
+    """A tiny KimiHybridForConditionalGeneration with tied input / output embeddings (embed_tokens cut by vocabulary
+    rows, lm_head by output rows: one parameter, two plans), 4 heads of each kind, and an image in its inputs."""
+    from kimi_hf import KimiHybridForConditionalGeneration
+
+    from .helpers import tiny_multimodal_config, tiny_processor
+    from .test_modeling_multimodal import img, prompt
+
+    config = tiny_multimodal_config(tie_word_embeddings=True, linear_num_heads=HEADS, num_attention_heads=HEADS)
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model = KimiHybridForConditionalGeneration(config)
+    assert model.lm_head.weight is model.model.language_model.embed_tokens.weight
+    model.save_pretrained(folder)
+    proc = tiny_processor()
+    image = proc(images=[img(56, 56)], text=prompt(proc))
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 97, (2, 24), generator=g)
+    inputs = dict(
+        ids=ids,
+        packed_ids=ids[:1],
+        packed_pos=torch.cat([torch.arange(10), torch.arange(14)])[None],
+        prompt=torch.randint(3, 97, (1, 20), generator=g),
+        new_tokens=6,
+        image_ids=image["input_ids"],
+        pixel_values=image["pixel_values"],
+        image_grid_thw=image["image_grid_thw"],
+    )
+    torch.save(inputs, folder / "inputs.pt")
+    return folder
 
 
 # the "plain" checkpoint again in the other layouts the loader converts (conversion_mapping_kimi_hybrid.py)
@@ -201,6 +246,18 @@ def expected_shard(full: torch.Tensor, placements: str, rank: int) -> torch.Tens
 def test_matches_single_process(runs, case, layout):
     for rank in (0, 1):
         assert_same_results(runs[case][layout, rank], runs[case]["ref"], ("logits", "packed", "scores"), ATOL)
+
+
+@pytest.mark.parametrize("layout", ["tp", "ep"])
+def test_multimodal_with_tied_embeddings(runs, layout):
+    """The multimodal model with lm_head tied to embed_tokens: one parameter (sharded by vocabulary rows), the
+    vision tower replicated; text, packed documents, an image, generation and gradients as in one process."""
+    for rank in (0, 1):
+        res = runs[MULTIMODAL][layout, rank]
+        assert_same_results(res, runs[MULTIMODAL]["ref"], ("logits", "packed", "scores", "images"), ATOL)
+        assert res["shards"]["model.language_model.embed_tokens.weight"]["placements"] == "(Shard(dim=0),)"
+        assert "lm_head.weight" not in res["shards"] and "lm_head.weight" not in res["replicated"]  # tied: one
+        assert not any(n.startswith("model.vision_tower.") for n in res["shards"])
 
 
 @pytest.mark.parametrize("other", OTHER_LAYOUTS)

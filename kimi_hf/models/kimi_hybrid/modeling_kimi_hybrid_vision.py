@@ -287,6 +287,13 @@ class KimiHybridVisionPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     _supports_sdpa = True
     _supports_attention_backend = True
 
+    @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """The tower has no experts, so any experts implementation is a no-op here. transformers hands a composite
+        model's `experts_implementation=` to every sub-config and checks it in each sub-model; without this,
+        "grouped_mm" would be refused for the tower (its module has no `@use_experts_implementation`)."""
+        return True
+
     @torch.no_grad()
     def _init_weights(self, module):
         # transformers' default: normal(0, initializer_range) for linears and the patch conv, zero biases, ones for

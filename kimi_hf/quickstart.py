@@ -516,7 +516,7 @@ def run_quickstart(
     print(f"{QUESTION} ({image_path}, 3 circles + 1 square): model answers {answer!r}")
     print(
         f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f}; "
-        "counting is slow to learn: examples/multimodal_finetune.py's 1500 image-only steps reach 0.83-0.90)"
+        "counting is slow to learn: examples/multimodal_finetune.py's 1500 image-only steps reach 0.83-0.89)"
     )
     print(f"model + processor: {model_dir}\nloss plot:         {loss_plot}\nsummary:           {summary_path}")
     print(

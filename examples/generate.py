@@ -20,8 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer, TextStreamer
 
 import kimi_hf  # noqa: F401  (registers the Auto classes; without it pass trust_remote_code=True)
-from kimi_hf.chat import K3ReplyStreamer, has_k3_markup
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import parse_k3_reply
+from kimi_hf.chat import K3ReplyStreamer, has_k3_markup, reply_text
 
 
 def main(argv=None) -> dict:
@@ -58,10 +57,9 @@ def main(argv=None) -> dict:
         return TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
 
     def reply(ids, prompt) -> str:
-        if k3:  # as the streamer shows it: the response channel, up to markup it could not parse
-            text = tokenizer.decode(ids, skip_special_tokens=False)
-            return parse_k3_reply(text, prefix=prompt, strict=False)["content"].split("<|")[0].strip()
-        return tokenizer.decode(ids, skip_special_tokens=True).strip()
+        text = reply_text(tokenizer, ids, prompt)
+        # K3: as the streamer shows it, the response channel up to markup it could not parse
+        return text.split("<|")[0].strip() if k3 else text
 
     results = {}
     text = tokenizer.apply_chat_template(

@@ -37,11 +37,16 @@ def generate_replies(
         tokenizer.padding_side = side
     out = model.generate(**inputs, **{"max_new_tokens": max_new_tokens, "do_sample": False, **generate_kwargs})
     new = out[:, inputs["input_ids"].shape[1] :]
+    return [reply_text(tokenizer, ids, prompt) for ids, prompt in zip(new, prompts)]
+
+
+def reply_text(tokenizer, new_ids, prompt: str = "") -> str:
+    """The stripped reply text of generated ids `new_ids` [T] after `prompt`: with Kimi K3's markup (XTML) the
+    response channel's text (parse_k3_reply, lenient), else the decoded text without special tokens."""
     if has_k3_markup(tokenizer):  # K3's XTML: the markup is in the text; the reply is a channel
-        texts = processor.batch_decode(new, skip_special_tokens=False)
-        replies = [parse_k3_reply(t, prefix=p, strict=False)["content"] for t, p in zip(texts, prompts)]
-        return [r.strip() for r in replies]
-    return [r.strip() for r in processor.batch_decode(new, skip_special_tokens=True)]
+        text = tokenizer.decode(new_ids, skip_special_tokens=False)
+        return (parse_k3_reply(text, prefix=prompt, strict=False)["content"] or "").strip()
+    return tokenizer.decode(new_ids, skip_special_tokens=True).strip()
 
 
 class K3ReplyStreamer(BaseStreamer):
@@ -71,4 +76,12 @@ class K3ReplyStreamer(BaseStreamer):
         self.ids, self.shown, self.prompt_seen = [], "", False
 
 
-__all__ = ["generate_replies", "has_k3_markup", "K3ReplyStreamer", "chat_stop_token_ids", "TURN_END", "IMAGE_TOKEN"]
+__all__ = [
+    "generate_replies",
+    "reply_text",
+    "has_k3_markup",
+    "K3ReplyStreamer",
+    "chat_stop_token_ids",
+    "TURN_END",
+    "IMAGE_TOKEN",
+]

@@ -253,10 +253,12 @@ def markup_text(conversations: list[list[dict]], chat_template_kwargs: dict) -> 
 
 
 def chat_transcript(model, processor, image, max_new_tokens: int, chat_template_kwargs: dict) -> dict:
-    """{"prompt", "reply"}: the counting question about `image` as the chat template renders it (before the
-    processor expands the image) and the model's greedy reply decoded with its markup (special tokens kept)."""
+    """{"prompt", "reply", "answer"}: the counting question about `image` as the chat template renders it (before
+    the processor expands the image), the model's greedy reply decoded with its markup (special tokens kept), and
+    the answer read from it (chat.reply_text, as scenes.ask reads one)."""
     import torch
 
+    from .chat import reply_text
     from .scenes import QUESTION
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": QUESTION}]}]
@@ -266,8 +268,9 @@ def chat_transcript(model, processor, image, max_new_tokens: int, chat_template_
     inputs = processor(images=[image], text=[prompt], return_tensors="pt").to(model.device)
     with torch.no_grad():
         out = model.generate(**inputs, max_new_tokens=max_new_tokens, do_sample=False)
-    reply = processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=False)
-    return {"prompt": prompt, "reply": reply}
+    new = out[0, inputs["input_ids"].shape[1] :]
+    reply = processor.decode(new, skip_special_tokens=False)
+    return {"prompt": prompt, "reply": reply, "answer": reply_text(processor.tokenizer, new, prompt)}
 
 
 def _nearest_existing(path: str) -> str:
@@ -362,7 +365,7 @@ def run_quickstart(
     from .collators import KimiHybridVisionCollator
     from .optim import MuonClip, MuonClipCallback
     from .plotting import LossHistory, save_loss_plot
-    from .scenes import QUESTION, ask, counting_accuracy, counting_examples, render_scene
+    from .scenes import QUESTION, counting_accuracy, counting_examples, render_scene
     from .tokenization import train_tokenizer
 
     t0 = time.time()
@@ -473,7 +476,7 @@ def run_quickstart(
     image_path = os.path.join(out, "question.png")
     image.save(image_path)
     transcript = chat_transcript(reloaded, processor, image, answer_tokens, chat_kwargs)
-    answer = ask(reloaded, processor, [image], max_new_tokens=answer_tokens, chat_template_kwargs=chat_kwargs)[0]
+    answer = transcript.pop("answer")
     accuracy, per_count = counting_accuracy(
         reloaded, processor, held_out, max_new_tokens=answer_tokens, chat_template_kwargs=chat_kwargs
     )

@@ -42,7 +42,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024, markup: str = 
     specials = SPECIAL_TOKENS if markup == "kimi" else K3_SPECIAL_TOKENS
     if not isinstance(vocab_size, int) or vocab_size < 256 + len(specials):
         raise ValueError(
-            f"vocab_size must be an integer >= {256 + len(SPECIAL_TOKENS)} (bytes + special tokens), got {vocab_size!r}"
+            f"vocab_size must be an integer >= {256 + len(specials)} (bytes + special tokens), got {vocab_size!r}"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -54,9 +54,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 1024, markup: str = 
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    # pads on the left: generation continues each row's right edge (pipelines batch with the saved side)
     if markup == "k3":
         tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in K3_PLAIN_TOKENS])
+    # pads on the left: generation continues each row's right edge (pipelines batch with the saved side)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,

@@ -29,7 +29,7 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # noqa: F401  (K3: <|end_of_msg|>, [EOS])
+from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # K3: <|end_of_msg|>, [EOS]
 from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, use_k3_chat_markup
 
 

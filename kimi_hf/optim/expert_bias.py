@@ -35,13 +35,18 @@ def track_expert_load(model: nn.Module, enabled: bool = True) -> list[nn.Module]
     return routers
 
 
+def check_update_rate(update_rate) -> None:
+    """The balancing rate must be a non-negative number (a ValueError naming it otherwise)."""
+    if not isinstance(update_rate, (int, float)) or isinstance(update_rate, bool) or update_rate < 0:
+        raise ValueError(f"update_rate must be a non-negative number, got {update_rate!r}")
+
+
 @torch.no_grad()
 def update_expert_bias(model: nn.Module, update_rate: float = 1e-3) -> dict:
     """One balancing step over every router of `model` (counts summed across processes when torch.distributed
     is initialised), then clears the counts. Returns {"expert_load_imbalance": the largest max-load / mean-load
     over the routers that saw tokens, "routers": how many were updated}."""
-    if not isinstance(update_rate, (int, float)) or isinstance(update_rate, bool) or update_rate < 0:
-        raise ValueError(f"update_rate must be a non-negative number, got {update_rate!r}")
+    check_update_rate(update_rate)
     routers = [r for r in expert_routers(model) if r.track_load]
     if not routers:
         return {"expert_load_imbalance": None, "routers": 0}
@@ -60,4 +65,4 @@ def update_expert_bias(model: nn.Module, update_rate: float = 1e-3) -> dict:
     return {"expert_load_imbalance": imbalance, "routers": updated}
 
 
-__all__ = ["expert_routers", "track_expert_load", "update_expert_bias"]
+__all__ = ["check_update_rate", "expert_routers", "track_expert_load", "update_expert_bias"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from transformers import TrainerCallback
 
-from .expert_bias import track_expert_load, update_expert_bias
+from .expert_bias import check_update_rate, track_expert_load, update_expert_bias
 
 
 def _unwrap(optimizer):
@@ -50,8 +50,7 @@ class ExpertBiasCallback(TrainerCallback):
     """
 
     def __init__(self, update_rate: float = 1e-3):
-        if not isinstance(update_rate, (int, float)) or isinstance(update_rate, bool) or update_rate < 0:
-            raise ValueError(f"update_rate must be a non-negative number, got {update_rate!r}")
+        check_update_rate(update_rate)
         self.update_rate = update_rate
         self._imbalance = None
 

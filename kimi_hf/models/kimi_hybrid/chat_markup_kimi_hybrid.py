@@ -104,18 +104,16 @@ def chat_stop_token_ids(tokenizer) -> list[int]:
     return ids
 
 
-def stop_at_turn_end(save_directory, stop_ids) -> None:
-    """Adds `stop_ids` (a tokenizer: its `chat_stop_token_ids`) to the eos ids of the generation_config.json
-    in save_directory (if there is one): a folder whose chat template ends turns with <|im_end|> (K3:
-    <|end_of_msg|>) must also stop generating there."""
-    if not isinstance(stop_ids, (list, tuple)):
-        stop_ids = chat_stop_token_ids(stop_ids)
+def stop_at_turn_end(save_directory, tokenizer) -> None:
+    """Adds the tokenizer's `chat_stop_token_ids` to the eos ids of the generation_config.json in save_directory
+    (if there is one): a folder whose chat template ends turns with <|im_end|> (K3: <|end_of_msg|>) must also stop
+    generating there."""
     if not os.path.isfile(os.path.join(save_directory, "generation_config.json")):
         return
     config = GenerationConfig.from_pretrained(save_directory)
     eos = config.eos_token_id
     eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-    missing = [i for i in stop_ids if i not in eos]
+    missing = [i for i in chat_stop_token_ids(tokenizer) if i not in eos]
     if missing:
         config.eos_token_id = eos + missing
         config.save_pretrained(save_directory)

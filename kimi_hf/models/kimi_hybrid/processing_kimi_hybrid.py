@@ -79,13 +79,14 @@ class KimiHybridProcessor(ProcessorMixin):
         return BatchFeature(data={**encoded, **image_inputs}, tensor_type=return_tensors)
 
     def stop_token_ids(self) -> list[int]:
-        """The ids chat generation stops on (added to a generation_config.json saved in the same folder)."""
+        """The ids chat generation stops on (chat_stop_token_ids: added to a generation_config.json saved in the
+        same folder; K3's markup: <|end_of_msg|>, then EOS)."""
         return chat_stop_token_ids(self.tokenizer)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
         """Also makes a model saved in the same folder stop generating at the end of a chat turn."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
-        stop_at_turn_end(save_directory, self.stop_token_ids())
+        stop_at_turn_end(save_directory, self.tokenizer)
         return out
 
     def num_image_tokens(self, height: int, width: int) -> int:

@@ -31,7 +31,6 @@ from .chat_template_kimi_k3 import (
     MEDIA_CONTENT,
     MEDIA_END,
     MEDIA_PAD,
-    k3_stop_token_ids,
 )
 from .image_processing_kimi_hybrid import KimiK3ImageProcessor
 from .processing_kimi_hybrid import KimiHybridProcessor
@@ -67,9 +66,6 @@ class KimiK3Processor(KimiHybridProcessor):
         if placeholder == MEDIA_PAD:  # already inside its media block
             return pads
         return f"{MEDIA_BEGIN}image {width}x{height}{MEDIA_CONTENT}{pads}{MEDIA_END}"
-
-    def stop_token_ids(self) -> list[int]:
-        return k3_stop_token_ids(self.tokenizer)
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):

@@ -6,8 +6,9 @@
     kimi_hf.KimiHybridConfig, KimiHybridModel, KimiHybridForConditionalGeneration,
     KimiHybridVisionConfig, KimiHybridVisionModel, KimiHybridImageProcessor, KimiHybridProcessor
                                                    early fusion: MoonViT tower + hybrid decoder
-    kimi_hf.KimiK3Config, KimiK3ForConditionalGeneration, KimiK3TextConfig, KimiK3TextModel, KimiK3VisionConfig,
-    KimiK3ImageProcessor, KimiK3Processor          Kimi K3 as released (loads Moonshot's folders directly)
+    kimi_hf.KimiK3Config, KimiK3Model, KimiK3ForConditionalGeneration, KimiK3TextConfig, KimiK3TextModel,
+    KimiK3ForCausalLM, KimiK3VisionConfig, KimiK3ImageProcessor, KimiK3Processor
+                                                   Kimi K3 as released (loads Moonshot's folders directly)
 
 Importing kimi_hf registers the models with transformers' Auto classes. The one exception is the
 `kimi-hf` command's own process (console script or `python -m kimi_hf`): there the models are imported
@@ -40,6 +41,8 @@ __all__ = [
     "KimiK3TextConfig",
     "KimiK3VisionConfig",
     "KimiK3TextModel",
+    "KimiK3ForCausalLM",
+    "KimiK3Model",
     "KimiK3ForConditionalGeneration",
     "KimiK3ImageProcessor",
     "KimiK3Processor",

@@ -5,11 +5,16 @@
 transformers' server loads a checkpoint as `getattr(transformers, config.architectures[0])`, so a model
 class that lives outside transformers is not found there (trust_remote_code does not change that
 path); this launcher exposes our classes to its loader, then runs the stock server. Tool calls in the
-replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's).
+replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's or K3's).
+
+It serves every model type the package registers a generation class for (`served_model_types()`, read off
+the one Auto-class table, hub_kimi_hybrid.AUTO_MAPS): the text models (AutoModelForCausalLM: kimi_hybrid_text,
+kimi_k3_text) and the image-text ones (AutoModelForImageTextToText: kimi_hybrid, kimi_k3, Moonshot's released
+K3 folders included).
 
 Requests name the model by MODEL exactly as given on the command line (transformers serve pins the
 server to it and answers 400 to any other name), or by a `--served-model-name` alias. The multimodal
-model takes OpenAI `image_url` parts (data: URLs or local files; nothing is downloaded offline).
+models take OpenAI `image_url` parts (data: URLs or local files; nothing is downloaded offline).
 """
 
 from __future__ import annotations
@@ -18,13 +23,43 @@ import argparse
 
 
 _ALIASES: dict[str, str] = {}  # request name -> served model (--served-model-name)
+GENERATION_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")  # what transformers serve runs
+
+
+def served_model_types() -> dict[str, dict[str, str]]:
+    """model_type -> its AUTO_MAPS entries, for the model types with a generation class (AutoModelForCausalLM):
+    the ones `kimi-hf serve` serves; those with AutoModelForImageTextToText too are image-text models. Read off
+    the package's one Auto-class table (hub_kimi_hybrid imports only the standard library: no torch here)."""
+    from .models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+
+    return {model_type: entries for model_type, entries in AUTO_MAPS.items() if "AutoModelForCausalLM" in entries}
+
+
+def served_model_classes() -> dict[type, bool]:
+    """The generation classes of `served_model_types()` -> whether they are image-text models; imported from the
+    modules AUTO_MAPS names, as kimi_hf's registration does (the same class objects)."""
+    import importlib
+
+    from .models.kimi_hybrid import hub_kimi_hybrid
+
+    package = hub_kimi_hybrid.__name__.rpartition(".")[0]
+    classes: dict[type, bool] = {}
+    for entries in served_model_types().values():
+        multimodal = "AutoModelForImageTextToText" in entries
+        for auto in GENERATION_AUTO_CLASSES:
+            if auto in entries:
+                module, _, name = entries[auto].partition(".")
+                cls = getattr(importlib.import_module(f"{package}.{module}"), name)
+                classes[cls] = classes.get(cls, False) or multimodal
+    return classes
 
 
 def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -> None:
-    """Makes transformers' server load and serve this package's models.
+    """Makes transformers' server load and serve this package's models (`served_model_classes()`).
 
     - its loader resolves `config.architectures[0]` on the transformers module: our classes are put there;
-    - its modality check knows only in-tree class names: ours are text (LLM) and image-text (VLM) models;
+    - its modality check knows only in-tree class names: ours are text (LLM) and image-text (VLM) models, as
+      their AUTO_MAPS entries say (a subclass counts as its most specific listed class);
     - a text model saved beside a processor has `processor_class` in tokenizer_config.json (AutoProcessor
       would then build the multimodal processor for it): text models load their tokenizer;
     - `aliases` maps extra request names (`--served-model-name`) to the served model.
@@ -33,16 +68,20 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
     import transformers.cli.serving.utils as serving_utils
     from transformers import AutoConfig, AutoTokenizer
 
-    from . import (  # importing kimi_hf registers the Auto classes
-        KimiHybridForCausalLM,
-        KimiHybridForConditionalGeneration,
-    )
+    from . import KimiHybridConfig  # noqa: F401  (a model name: registers the Auto classes, in `kimi-hf` too)
 
-    for cls in (KimiHybridForCausalLM, KimiHybridForConditionalGeneration):
+    classes = served_model_classes()
+    for cls in classes:
         setattr(manager.transformers, cls.__name__, cls)
+    # most derived first, so that a subclass gets its own kind rather than its base's
     modalities = {
-        KimiHybridForCausalLM: manager.Modality.LLM,
-        KimiHybridForConditionalGeneration: manager.Modality.VLM,
+        cls: manager.Modality.VLM if multimodal else manager.Modality.LLM
+        for cls, multimodal in sorted(classes.items(), key=lambda item: -len(item[0].__mro__))
+    }
+    text_model_types = {
+        model_type
+        for model_type, entries in served_model_types().items()
+        if "AutoModelForImageTextToText" not in entries
     }
     ModelManager = manager.ModelManager
     if not getattr(ModelManager, "_kimi_hf_patched", False):
@@ -62,7 +101,7 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
                 config = AutoConfig.from_pretrained(
                     model_id, revision=revision, trust_remote_code=self.trust_remote_code
                 )
-                if config.model_type == "kimi_hybrid_text":
+                if config.model_type in text_model_types:
                     return AutoTokenizer.from_pretrained(
                         model_id, revision=revision, trust_remote_code=self.trust_remote_code
                     )
@@ -101,10 +140,18 @@ def check_model_dir(model: str) -> None:
             model_type = json.load(f).get("model_type")
     except (OSError, ValueError) as e:
         raise ValueError(f"{config} is not a readable JSON config ({e})") from e
-    if model_type not in ("kimi_hybrid", "kimi_hybrid_text"):
+    served = served_model_types()
+    if model_type not in served:
+        from .models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+
+        what = (
+            "a part of this package's models without a generation head"
+            if model_type in AUTO_MAPS
+            else "not one of this package's models"
+        )
         raise ValueError(
-            f"{config} has model_type {model_type!r}: kimi-hf serve serves this package's models "
-            "(kimi_hybrid, kimi_hybrid_text); use `transformers serve` for others"
+            f"{config} has model_type {model_type!r}, {what}: kimi-hf serve serves this package's models "
+            f"({', '.join(served)}); use `transformers serve` for others"
         )
 
 

@@ -129,6 +129,7 @@ def test_parse_response_stops_at_the_turn_end():
     )
     assert tok.parse_response(call, prefix=prefix) == {
         "role": "assistant",
+        "content": "",  # always there, as in transformers' own parsed messages
         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"a": 1}}}],
     }
     assert tok.decode(tok("x")["input_ids"] + [tok.eos_token_id, tok.pad_token_id], skip_special_tokens=True) == "x"

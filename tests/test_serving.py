@@ -1,9 +1,13 @@
 """`kimi-hf serve` (kimi_hf.serving): transformers serve on 127.0.0.1 for the multimodal quickstart-style
-model (text and image chat requests through the OpenAI API, an alias name) and for a text model saved beside
-a processor; start-up errors are one line.
+model (text and image chat requests through the OpenAI API, an alias name), for a text model saved beside
+a processor, and for a tiny Kimi K3 model (the quickstart's default architecture) with its processor, through
+the OpenAI python client: text, an image, streaming, a tool call parsed from K3's markup and the turn after the
+tool's result; start-up errors are one line.
 
 The saved generation configs carry a `sequence_bias` that makes the untrained models write a chosen reply
-and then <|im_end|>: a server that did not stop at the end of the turn would return more text."""
+and then <|im_end|> (K3: its reply markup, ending with <|end_of_msg|>), keyed on the end of the prompt that
+the server renders: a server that did not stop at the end of the turn would return more text, and one that
+built another prompt (another chat template, a lost image or tool message) would not get the reply."""
 
 import base64
 import io
@@ -20,10 +24,13 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from kimi_hf import KimiHybridForCausalLM
+from kimi_hf import KimiHybridForCausalLM, KimiK3ImageProcessor, KimiK3Processor
 from kimi_hf.chat import chat_stop_token_ids
-from kimi_hf.quickstart import small_multimodal_model
+from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import render_k3_reply
+from kimi_hf.models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+from kimi_hf.quickstart import markup_text, small_k3_model, small_multimodal_model
 from kimi_hf.scenes import render_scene
+from kimi_hf.tokenization import train_tokenizer
 
 from .models.kimi_hybrid.helpers import tiny_config, tiny_processor
 from .test_chat import reply_bias
@@ -171,6 +178,14 @@ def test_serves_a_text_model_saved_beside_a_processor(tmp_path):
             ),
             "model_type 'llama'",
         ),
+        (  # one of the package's model types, but a part without a generation head
+            lambda p: (
+                (p / "vt").mkdir()
+                or (p / "vt" / "config.json").write_text('{"model_type": "kimi_k3_vision"}')
+                and p / "vt"
+            ),
+            "model_type 'kimi_k3_vision', a part of this package's models without a generation head",
+        ),
     ],
 )
 def test_start_up_errors_are_one_line(tmp_path, make, message):
@@ -182,3 +197,220 @@ def test_start_up_errors_are_one_line(tmp_path, make, message):
     )
     assert r.returncode != 0 and message in r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_check_model_dir_accepts_every_model_type_with_a_generation_class(tmp_path):
+    """The served model types are AUTO_MAPS' entries with a generation class (Kimi K3 among them); any other
+    model type is refused in one line naming them."""
+    from kimi_hf.serving import check_model_dir, served_model_types
+
+    assert list(served_model_types()) == [t for t, entries in AUTO_MAPS.items() if "AutoModelForCausalLM" in entries]
+    assert {"kimi_hybrid_text", "kimi_hybrid", "kimi_k3"} <= set(served_model_types())
+    for model_type in [*served_model_types(), "llama", "kimi_hybrid_vision"]:
+        (tmp_path / model_type).mkdir()
+        (tmp_path / model_type / "config.json").write_text(json.dumps({"model_type": model_type}))
+        if model_type in served_model_types():
+            check_model_dir(str(tmp_path / model_type))
+            continue
+        with pytest.raises(ValueError) as e:
+            check_model_dir(str(tmp_path / model_type))
+        message = str(e.value)
+        assert "\n" not in message and f"model_type {model_type!r}" in message and "kimi_k3" in message
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kimi K3 (the quickstart's default model): a tiny K3 model and a K3-markup tokenizer, served through the OpenAI
+# python client
+# ----------------------------------------------------------------------------------------------------------------
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+K3_ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+K3_CALL = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+K3_ANSWER = "It is 18C in Paris."
+
+
+def k3_replies(image_url: str) -> list[tuple[list[dict], list | None, str]]:
+    """(OpenAI messages, tools, the reply K3 writes) for each request the K3 tests make. The tool call's id and
+    the assistant message's content do not reach K3's prompt (the template names results by their call)."""
+    called = {"role": "assistant", "content": None, "tool_calls": [{"id": "any", **K3_CALL}]}
+    tool = {"role": "tool", "tool_call_id": "any", "content": "18C"}
+    image_question = [
+        {"type": "image_url", "image_url": {"url": image_url}},
+        {"type": "text", "text": "How many circles?"},
+    ]
+    return [
+        ([{"role": "user", "content": "Say yes."}], None, render_k3_reply("yes")),
+        ([{"role": "user", "content": image_question}], None, render_k3_reply("2")),
+        (K3_ASK, [WEATHER], render_k3_reply(tool_calls=[K3_CALL], reasoning_content="Need the weather.")),
+        ([*K3_ASK, called, tool], [WEATHER], render_k3_reply(K3_ANSWER)),
+    ]
+
+
+def k3_processor(requests) -> KimiK3Processor:
+    """KimiK3Processor with K3's XTML chat markup over a byte-level BPE trained, as the quickstart trains one, on
+    the markup of these requests' conversations and their replies."""
+    rendered = [[*messages, {"role": "assistant", "content": ""}] for messages, _, _ in requests]
+    corpus = markup_text(rendered, {"thinking_effort": None, "tools": [WEATHER]})
+    corpus += [reply for _, _, reply in requests]
+    return KimiK3Processor(KimiK3ImageProcessor(), train_tokenizer(corpus, vocab_size=400, markup="k3"))
+
+
+def k3_prompt_ids(processor, messages, tools=None, text_only: bool = False) -> list[int]:
+    """The prompt the server builds for these OpenAI messages: transformers serve's own message conversion (a
+    multimodal model's, or a text model's), then the chat template of the processor (a text model: of its
+    tokenizer) with its defaults."""
+    from transformers.cli.serving.utils import BaseHandler, Modality
+
+    inputs = BaseHandler.get_processor_inputs_from_messages(messages, Modality.LLM if text_only else Modality.VLM)
+    processor = processor.tokenizer if text_only else processor
+    ids = processor.apply_chat_template(
+        inputs, add_generation_prompt=True, tools=tools, tokenize=True, return_dict=True, return_tensors="pt"
+    )["input_ids"]
+    return ids[0].tolist()
+
+
+def force_k3_replies(path, processor, requests, text_only: bool = False, context: int = 24) -> None:
+    """sequence_bias that makes each prompt continue with its K3 reply; keyed on the prompt's last `context`
+    tokens (K3's generation prompt alone is about a dozen: the keys reach into the last message)."""
+    tok = processor.tokenizer
+    bias, heads = {}, set()
+    for messages, tools, reply in requests:
+        head = k3_prompt_ids(processor, messages, tools, text_only)[-context:]
+        heads.add(tuple(head))
+        ids = tok(reply, add_special_tokens=False)["input_ids"]
+        assert tok.decode(ids, skip_special_tokens=False) == reply
+        bias.update({tuple(head + ids[: i + 1]): 100.0 for i in range(len(ids))})
+    assert len(heads) == len(requests)  # each prompt gets its own reply
+    config = GenerationConfig.from_pretrained(path)
+    config.sequence_bias = [[list(k), v] for k, v in bias.items()]
+    config.save_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def k3_server(tmp_path_factory):
+    """A tiny random KimiK3ForConditionalGeneration saved with its KimiK3Processor (K3's XTML chat markup, a
+    byte-level BPE trained on that markup as the quickstart trains one), served on 127.0.0.1."""
+    openai = pytest.importorskip("openai")
+    image_url = data_url(render_scene(random.Random(0), 28, circles=2))
+    requests = k3_replies(image_url)
+    processor = k3_processor(requests)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("k3") / "model"
+    small_k3_model(processor.tokenizer, "tiny", image_size=28).save_pretrained(path)
+    processor.save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "kimi_k3"
+    force_k3_replies(path, processor, requests)
+    server, url = start(path)
+    try:
+        yield (
+            openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120),
+            str(path),
+            processor,
+            image_url,
+        )
+    finally:
+        print(stop(server))
+
+
+def test_k3_text_chat(k3_server):
+    client, model, _, _ = k3_server
+    reply = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say yes."}], max_tokens=40, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.message.content == "yes" and choice.finish_reason == "stop" and not choice.message.tool_calls
+    # K3's (empty) think channel is parsed out of the content; the server leaves an empty reasoning out
+    assert (choice.message.model_extra or {}).get("reasoning_content") in (None, "")
+
+
+def test_k3_image_as_a_data_url(k3_server):
+    client, model, processor, image_url = k3_server
+    messages = k3_replies(image_url)[1][0]
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=40, temperature=0)
+    assert reply.choices[0].message.content == "2" and reply.choices[0].finish_reason == "stop"
+    # the image reached the processor: the prompt holds its media block (one <|media_pad|> per merged patch group)
+    prompt = k3_prompt_ids(processor, messages)
+    pad = processor.tokenizer.convert_tokens_to_ids("<|media_pad|>")
+    assert reply.usage.prompt_tokens == len(prompt) and prompt.count(pad) > 0
+
+
+def test_k3_streaming(k3_server):
+    client, model, _, _ = k3_server
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Say yes."}], max_tokens=40, temperature=0, stream=True
+    )
+    chunks = list(stream)
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == "yes" and chunks[-1].choices[0].finish_reason == "stop"
+    assert chunks[0].choices[0].delta.role == "assistant"
+
+
+def test_k3_tool_call_then_the_turn_after_the_tool_result(k3_server):
+    client, model, _, _ = k3_server
+    reply = client.chat.completions.create(model=model, messages=K3_ASK, tools=[WEATHER], max_tokens=80, temperature=0)
+    choice = reply.choices[0]
+    assert (
+        choice.finish_reason == "tool_calls" and choice.message.model_extra["reasoning_content"] == "Need the weather."
+    )
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris"}
+
+    streamed = list(
+        client.chat.completions.create(
+            model=model, messages=K3_ASK, tools=[WEATHER], max_tokens=80, temperature=0, stream=True
+        )
+    )
+    calls = [t for c in streamed if c.choices for t in c.choices[0].delta.tool_calls or []]
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in calls] == [("get_weather", {"city": "Paris"})]
+    assert streamed[-1].choices[0].finish_reason == "tool_calls"
+
+    # the next turn: the assistant's call as the server returned it, then the tool's result
+    messages = [
+        *K3_ASK,
+        {"role": "assistant", "content": choice.message.content, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "18C"},
+    ]
+    after = client.chat.completions.create(
+        model=model, messages=messages, tools=[WEATHER], max_tokens=80, temperature=0
+    ).choices[0]
+    assert after.message.content == K3_ANSWER and after.finish_reason == "stop" and not after.message.tool_calls
+
+
+def test_serves_a_k3_text_model_saved_beside_a_processor(tmp_path):
+    """Kimi K3's text-only model (kimi_k3_text: KimiK3ForCausalLM) is served as a text model: its tokenizer, not
+    the multimodal processor named in tokenizer_config.json; a tool call in K3's markup comes back parsed."""
+    openai = pytest.importorskip("openai")
+    from kimi_hf import KimiK3ForCausalLM
+
+    requests = [k3_replies("")[0], k3_replies("")[2]]
+    processor = k3_processor(requests)
+    tok = processor.tokenizer
+    torch.manual_seed(0)
+    path = tmp_path / "k3_text"
+    KimiK3ForCausalLM(small_k3_model(tok, "tiny", image_size=28).config.text_config).save_pretrained(path)
+    processor.save_pretrained(path)
+    assert json.loads((path / "config.json").read_text())["model_type"] == "kimi_k3_text"
+    force_k3_replies(path, processor, requests, text_only=True)
+    server, url = start(path)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=120)
+        reply = client.chat.completions.create(
+            model=str(path), messages=requests[0][0], max_tokens=40, temperature=0
+        ).choices[0]
+        assert reply.message.content == "yes" and reply.finish_reason == "stop"
+        call = client.chat.completions.create(
+            model=str(path), messages=K3_ASK, tools=[WEATHER], max_tokens=80, temperature=0
+        ).choices[0]
+        assert call.finish_reason == "tool_calls"
+        assert [(c.function.name, json.loads(c.function.arguments)) for c in call.message.tool_calls] == [
+            ("get_weather", {"city": "Paris"})
+        ]
+    finally:
+        print(stop(server))

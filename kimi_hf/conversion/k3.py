@@ -274,11 +274,13 @@ def convert_k3(
 
 
 def _fast_tokenizer(src: str, tmp: str, config: dict) -> bool:
-    """K3's tiktoken.model (+ tokenizer_config.json) without a tokenizer.json -> tokenizer.json and its
-    tokenizer_config.json (replacing the release's, which names its tiktoken remote code) in tmp, with K3's chat
-    and response templates, so that AutoTokenizer needs neither remote code nor the tiktoken package; the
-    generation config (written from config.json's ids when the release has none) stops at <|end_of_msg|>, then
-    [EOS]. Returns whether it converted."""
+    """K3's tiktoken.model (+ tokenizer_config.json) without a tokenizer.json -> tokenizer.json, K3's chat template
+    (chat_template.jinja) and a tokenizer_config.json (replacing the release's) in tmp, so that AutoTokenizer needs
+    neither remote code nor the tiktoken package, in transformers 4.x as in 5.x (class PreTrainedTokenizerFast,
+    see tokenizer.portable_tokenizer_config). tiktoken.model and the remote code stay (copied with the other
+    files; the release's tokenizer class loads from the folder when named, not through AutoTokenizer's auto_map).
+    The generation config (written from config.json's ids when the release has none) stops at <|end_of_msg|>,
+    then [EOS]. Returns whether it converted."""
     if not os.path.exists(os.path.join(src, "tiktoken.model")):
         return False  # before importing tokenizers and transformers' tokenizer classes (tens of MB)
     from .tokenizer import convert_tokenizer_dir, stop_generation_at_turn_end

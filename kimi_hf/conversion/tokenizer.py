@@ -18,6 +18,20 @@ Two families share the format and differ in the added tokens (ids by offset from
   generation stop at `<|end_of_msg|>` (end of turn): `chat_stop_token_ids` / `generation_token_ids`.
 
 The family is read off tokenizer_config.json's added_tokens_decoder (`tokenizer_family`), not a flag.
+
+The folder `convert_tokenizer_dir` writes loads with AutoTokenizer (no remote code) in transformers 4.x and
+5.x alike, with the same ids, special tokens and chat template (`portable_tokenizer_config`):
+tokenizer_config.json names `PreTrainedTokenizerFast` (transformers 5's own save names `TokenizersBackend`, a
+class 4.x lacks; in 5.x `PreTrainedTokenizerFast` is an alias of it), lists the special tokens beyond bos / eos /
+pad / unk as `additional_special_tokens` (5.x saves a list under `extra_special_tokens`, which 4.x takes for a
+dict of named tokens and fails on), states `model_input_names` (4.x's default adds token_type_ids) and carries
+the added tokens' `added_tokens_decoder` again; the chat template is chat_template.jinja, which both read
+(4.57 prefers it to a tokenizer_config.json entry). The release's tokenizer_config.json is replaced and its
+auto_map not kept (AutoTokenizer gives the fast tokenizer with trust_remote_code=True too, and a folder saved
+from it names no remote code it lacks); tiktoken.model and the remote code stay beside it (the converters copy
+them), and the release's class still loads from the folder when named
+(`get_class_from_dynamic_module("tokenization_kimi.TikTokenTokenizer", folder).from_pretrained(folder)`): the new
+config keeps what it reads (added_tokens_decoder, bos / eos / pad / unk).
 """
 
 from __future__ import annotations
@@ -197,6 +211,47 @@ def tiktoken_to_fast(
     return fast
 
 
+# a tokenizer class that transformers 4.x and 5.x both have (5.x: an alias of TokenizersBackend)
+PORTABLE_TOKENIZER_CLASS = "PreTrainedTokenizerFast"
+_ADDED_TOKEN_FLAGS = ("lstrip", "normalized", "rstrip", "single_word", "special")
+
+
+def portable_tokenizer_config(saved: dict, tokenizer) -> dict:
+    """`saved` (the tokenizer_config.json transformers 5 writes for `tokenizer`) -> one that transformers 4.x
+    (4.57 checked) loads the same way: tokenizer_class PreTrainedTokenizerFast instead of 5.x's TokenizersBackend,
+    a list of `extra_special_tokens` as `additional_special_tokens` (5.x reads that name too), `model_input_names`
+    and `clean_up_tokenization_spaces` stated (4.x's defaults differ or differed), and `added_tokens_decoder`
+    (4.x's own format, which the release's tiktoken tokenizer reads too). No auto_map: AutoTokenizer loads
+    tokenizer.json, with or without trust_remote_code."""
+    cfg = dict(saved)
+    cfg["tokenizer_class"] = PORTABLE_TOKENIZER_CLASS
+    extra = cfg.pop("extra_special_tokens", None)
+    if isinstance(extra, dict) and extra:  # named extra tokens: 4.x reads that form as it is
+        cfg["extra_special_tokens"] = extra
+    elif extra:
+        cfg["additional_special_tokens"] = [_content(t) or str(t) for t in extra]
+    cfg["added_tokens_decoder"] = {
+        str(i): {"content": t.content, **{k: bool(getattr(t, k)) for k in _ADDED_TOKEN_FLAGS}}
+        for i, t in sorted(tokenizer.added_tokens_decoder.items())
+    }
+    cfg["model_input_names"] = list(tokenizer.model_input_names)
+    cfg["clean_up_tokenization_spaces"] = bool(tokenizer.clean_up_tokenization_spaces)
+    cfg.pop("auto_map", None)
+    return dict(sorted(cfg.items()))
+
+
+def save_portable_tokenizer(tokenizer, folder: str) -> None:
+    """tokenizer.save_pretrained(folder), with the tokenizer_config.json of `portable_tokenizer_config`."""
+    tokenizer.save_pretrained(folder)
+    path = os.path.join(folder, "tokenizer_config.json")
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    cfg = portable_tokenizer_config(saved, tokenizer)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
 def generation_token_ids(tokenizer) -> dict:
     """bos / eos / pad ids for a generation_config.json (or a model config) of this tokenizer's model:
     eos is `chat_stop_token_ids` (K3 released: bos 163584, eos [163586, 163585], pad 163839)."""
@@ -206,8 +261,9 @@ def generation_token_ids(tokenizer) -> dict:
 
 
 def convert_tokenizer_dir(src: str, dst: str) -> bool:
-    """Writes tokenizer.json (+ tokenizer_config.json) into dst when src has a tiktoken.model and no
-    tokenizer.json. Returns whether it did."""
+    """Writes tokenizer.json (+ tokenizer_config.json, chat_template.jinja) into dst when src has a tiktoken.model
+    and no tokenizer.json: a folder that AutoTokenizer loads alike in transformers 4.x and 5.x
+    (`portable_tokenizer_config`). Returns whether it did."""
     model = os.path.join(src, "tiktoken.model")
     if not os.path.exists(model) or os.path.exists(os.path.join(src, "tokenizer.json")):
         return False
@@ -216,7 +272,7 @@ def convert_tokenizer_dir(src: str, dst: str) -> bool:
         with open(os.path.join(src, "chat_template.jinja")) as f:
             template = f.read()
     fast = tiktoken_to_fast(model, os.path.join(src, "tokenizer_config.json"), chat_template=template)
-    fast.save_pretrained(dst)
+    save_portable_tokenizer(fast, dst)
     return True
 
 
@@ -245,4 +301,7 @@ __all__ = [
     "chat_stop_token_ids",
     "generation_token_ids",
     "convert_tokenizer_dir",
+    "PORTABLE_TOKENIZER_CLASS",
+    "portable_tokenizer_config",
+    "save_portable_tokenizer",
 ]

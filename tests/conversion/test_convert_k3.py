@@ -462,3 +462,7 @@ def test_the_tiktoken_tokenizer_becomes_a_fast_one_with_k3_chat(tmp_path):
         '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
     )
     assert GenerationConfig.from_pretrained(out).eos_token_id == [n + 2, n + 1]
+    # a class transformers 4.x has too (test_tokenizer_transformers4.py loads the folder there); the release's
+    # auto_map only stays where its remote code (tokenization_kimi.py) is in the folder, which this release lacks
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in cfg

@@ -4,12 +4,16 @@ the conversion tool writing tokenizer.json next to the weights."""
 
 import base64
 import json
+import os
 import shutil
+import subprocess
+import sys
 
 import pytest
 from transformers import AutoTokenizer
 
 from kimi_hf.conversion.tokenizer import (
+    K3_ROLES,
     K3_SPECIAL_TOKENS,
     chat_stop_token_ids,
     convert_tokenizer_dir,
@@ -215,3 +219,65 @@ def test_added_tokens_outside_the_reserved_ids_raise(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=str(n + 256)):
         tiktoken_to_fast(str(tmp_path / "tiktoken.model"), str(tmp_path / "tokenizer_config.json"))
+
+
+# the release's remote tokenizer (tokenization_kimi.TikTokenTokenizer), as far as these tests look: which class
+# AutoTokenizer picks
+REMOTE_TOKENIZER = '''"""Stands in for the release's tiktoken tokenizer (remote code)."""
+from transformers import PreTrainedTokenizerFast
+
+
+class TikTokenTokenizer(PreTrainedTokenizerFast):
+    vocab_files_names = {"vocab_file": "tiktoken.model", "tokenizer_file": "tokenizer.json"}
+'''
+RELEASE_AUTO_MAP = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None], "AutoProcessor": "proc.P"}
+
+
+def test_saved_tokenizer_config_is_one_transformers_4_loads(tmp_path):
+    """What transformers 4.x needs of tokenizer_config.json (test_tokenizer_transformers4.py loads the folder
+    there): a class it has (not 5.x's TokenizersBackend), the extra special tokens as a list under the name it
+    reads (5.x's list under `extra_special_tokens` is a dict of named tokens to 4.x), model_input_names stated
+    (4.x's default adds token_type_ids), the added tokens; the chat template in chat_template.jinja. The release's
+    auto_map is not kept: AutoTokenizer gives tokenizer.json's tokenizer with trust_remote_code=True too, while the
+    release's remote tokenizer (beside it in the folder) still loads when named."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    n = write_k3_tokenizer(src)
+    release = json.loads((src / "tokenizer_config.json").read_text())
+    (src / "tokenizer_config.json").write_text(json.dumps({**release, "auto_map": RELEASE_AUTO_MAP}))
+    (dst / "tokenization_kimi.py").write_text(REMOTE_TOKENIZER)  # copied beside it, as the converters do
+    assert convert_tokenizer_dir(str(src), str(dst))
+    cfg = json.loads((dst / "tokenizer_config.json").read_text())
+    assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "extra_special_tokens" not in cfg
+    fast = tiktoken_to_fast(str(src / "tiktoken.model"), str(src / "tokenizer_config.json"))
+    table = sorted(fast.added_tokens_decoder.items())
+    roles = set(K3_ROLES.values())
+    assert cfg["additional_special_tokens"] == [t.content for _, t in table if t.special and t.content not in roles]
+    assert len(cfg["additional_special_tokens"]) == 256 - 2 - 4  # all but <|close|>, <|sep|> and the four roles
+    assert {int(i): (e["content"], e["special"]) for i, e in cfg["added_tokens_decoder"].items()} == {
+        i: (t.content, t.special) for i, t in table
+    }
+    assert cfg["model_input_names"] == ["input_ids", "attention_mask"] and cfg["clean_up_tokenization_spaces"] is False
+    assert [cfg[k] for k in ("bos_token", "eos_token", "pad_token", "unk_token")] == [
+        "[BOS]",
+        "[EOS]",
+        "[PAD]",
+        "[UNK]",
+    ]
+    assert "chat_template" not in cfg and (dst / "chat_template.jinja").is_file() and "auto_map" not in cfg
+    # transformers 5 (this process): the same tokenizer as the one built in memory
+    tok = AutoTokenizer.from_pretrained(dst)
+    assert type(tok).__name__ == "TokenizersBackend" and len(tok) == n + 256
+    assert tok.encode(K3_MARKUP) == fast.encode(K3_MARKUP) and tok("hi").keys() == {"input_ids", "attention_mask"}
+    assert tok.all_special_tokens == fast.all_special_tokens
+    # remote code (a fresh process, its module cache in tmp): not through AutoTokenizer, but when named
+    code = (
+        "import sys; from transformers import AutoTokenizer as A; "
+        "from transformers.dynamic_module_utils import get_class_from_dynamic_module as g; "
+        "print(type(A.from_pretrained(sys.argv[1], trust_remote_code=True)).__name__, "
+        "type(g('tokenization_kimi.TikTokenTokenizer', sys.argv[1]).from_pretrained(sys.argv[1])).__name__)"
+    )
+    env = {**os.environ, "HF_MODULES_CACHE": str(tmp_path / "modules"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "-c", code, str(dst)], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and r.stdout.split() == ["TokenizersBackend", "TikTokenTokenizer"], r.stderr[-2000:]

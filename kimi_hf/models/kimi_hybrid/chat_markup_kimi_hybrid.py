@@ -72,7 +72,8 @@ CHAT_TEMPLATE = (
 # transformers' response parser spec for that markup (tokenizer.response_template): lets
 # tokenizer.parse_response, `transformers serve` and TRL's tool loop read the assistant's tool calls.
 RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
+    # an assistant message always has content (maybe empty), as transformers' own parsed messages do
+    "defaults": {"role": "assistant", "content": ""},
     "start_anchor": "<|im_assistant|>assistant<|im_middle|>",
     "fields": {
         "tool_calls": {

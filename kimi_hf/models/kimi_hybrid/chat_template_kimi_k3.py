@@ -374,7 +374,8 @@ K3_CHAT_TEMPLATE = r"""
 # `<|end_of_msg|>`, `[EOS]`: pads, a next turn) lands in the `end` field, whose value is always empty, so it
 # never reaches the parsed message.
 K3_RESPONSE_TEMPLATE = {
-    "defaults": {"role": "assistant"},
+    # an assistant message always has content (maybe empty), as transformers' own parsed messages do
+    "defaults": {"role": "assistant", "content": ""},
     "start_anchor": ASSISTANT_HEADER,
     "fields": {
         "reasoning_content": {"open": THINK_OPEN, "close": THINK_CLOSE, "content_args": {"strip": False}},

@@ -12,7 +12,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
-from .configuration_kimi_hybrid_vision import TRANSFORMERS_GENERIC_FIELDS, KimiHybridVisionConfig
+from .configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, TRANSFORMERS_GENERIC_FIELDS, KimiHybridVisionConfig
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
@@ -175,7 +175,7 @@ _GENERATION_BOILERPLATE = {
 }
 
 
-def _check_moonshot_fields(kwargs: dict, strict: bool) -> None:
+def _check_moonshot_fields(kwargs: dict, strict: bool, ours: frozenset = frozenset()) -> None:
     """Pops the Moonshot fields this model understands; ValueError for a value of one we implement differently.
     strict (a config in Moonshot's format: Kimi Linear's / K3's config.json): ValueError naming any other field that
     is not generic. Configs built in transformers' own way (keyword arguments; its tests add generic fields such as
@@ -190,7 +190,7 @@ def _check_moonshot_fields(kwargs: dict, strict: bool) -> None:
     if strict:  # transformers 4.x wrote its generation defaults into Moonshot's config.json (max_length 20, ...):
         for name in _GENERATION_BOILERPLATE & set(kwargs):  # they would become this model's generation config
             kwargs.pop(name)
-    unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
+    unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS | ours and not k.startswith("_"))
     if strict and unknown:
         raise ValueError(f"config fields this model does not implement: {unknown}")
 
@@ -358,7 +358,8 @@ class KimiHybridTextConfig(PreTrainedConfig):
         kwargs.pop("qk_head_dim", None)
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         kwargs.pop("model_type", None)  # a Moonshot folder says "kimi_linear": the instance keeps the class's
-        _check_moonshot_fields(kwargs, strict=moonshot)
+        ours = frozenset(kwargs.pop(EXTRA_ATTRIBUTES_KEY, ()))  # extra attributes a K3 config's to_dict wrote
+        _check_moonshot_fields(kwargs, strict=moonshot, ours=ours)
         self._validate()  # before the base class: a plain ValueError naming the field
         super().__post_init__(**kwargs)
 

@@ -3,6 +3,7 @@ stream: Kimi K2.5's tower by default (transformers' kimi_k25 field names and def
 of the same class. `KimiK3VisionConfig` reads and writes Kimi K3's released `vision_config` spelling."""
 
 import dataclasses
+import functools
 import re
 
 from huggingface_hub.dataclasses import strict
@@ -134,6 +135,34 @@ TRANSFORMERS_GENERIC_FIELDS = frozenset(
         "use_bfloat16",
     }
 )
+# Attributes set on a config instance beyond its class's own (users and transformers' tests add some, e.g.
+# `layer_norm_eps` on every sub-config): Kimi K3's configs write them after the released fields and list their names
+# under this key, so that reading back what we wrote never meets the strictness meant for foreign config.json fields.
+EXTRA_ATTRIBUTES_KEY = "kimi_hf_extra_attributes"
+
+
+@functools.cache
+def _class_attribute_names(cls) -> frozenset:
+    return frozenset(PreTrainedConfig.to_dict(cls()))
+
+
+def extra_attributes(config) -> dict:
+    """{name: value} of the attributes `config` holds beyond what an instance of its class has by default, other
+    than transformers' generic ones (a release's config.json carries transformers 4.x's: `prefix`, `tokenizer_class`,
+    ...; the released spelling leaves them out) and `auto_map`."""
+    names = _class_attribute_names(type(config)) | TRANSFORMERS_GENERIC_FIELDS | {"auto_map"}
+    return {k: v for k, v in PreTrainedConfig.to_dict(config).items() if k not in names and not k.startswith("_")}
+
+
+def with_extra_attributes(config, out: dict) -> dict:
+    """`out` (a released-spelling dict of config) plus config's extra attributes, named under EXTRA_ATTRIBUTES_KEY."""
+    extras = {k: v for k, v in extra_attributes(config).items() if k not in out}
+    if extras:
+        out.update(extras)
+        out[EXTRA_ATTRIBUTES_KEY] = sorted(extras)
+    return out
+
+
 _GENERIC_FIELDS = TRANSFORMERS_GENERIC_FIELDS | {
     "bos_token_id",
     "eos_token_id",
@@ -357,7 +386,8 @@ class KimiK3VisionConfig(KimiHybridVisionConfig):
                 "reads the tower's output"
             )
         kwargs.pop("_attn_implementation", None)
-        unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS and not k.startswith("_"))
+        ours = set(kwargs.pop(EXTRA_ATTRIBUTES_KEY, ()))  # extra attributes our own to_dict wrote
+        unknown = sorted(k for k in kwargs if k not in _GENERIC_FIELDS | ours and not k.startswith("_"))
         if unknown:
             raise ValueError(f"vision_config fields this tower does not implement: {unknown}")
         super().__post_init__(**kwargs)
@@ -405,8 +435,15 @@ class KimiK3VisionConfig(KimiHybridVisionConfig):
             if out.get(name) == defaults[name]:
                 out.pop(name)
         ordered = {k: out.pop(k) for k in K3_RELEASED_ORDER}
-        ordered.update(out)
-        return ordered
+        extras = extra_attributes(self)
+        ordered.update((k, v) for k, v in out.items() if k not in extras)
+        return with_extra_attributes(self, ordered)
 
 
-__all__ = ["KimiHybridVisionConfig", "KimiK3VisionConfig"]
+__all__ = [
+    "EXTRA_ATTRIBUTES_KEY",
+    "KimiHybridVisionConfig",
+    "KimiK3VisionConfig",
+    "extra_attributes",
+    "with_extra_attributes",
+]

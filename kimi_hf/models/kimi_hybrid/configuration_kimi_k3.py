@@ -9,11 +9,14 @@ released field names and values (`to_dict`), so that a saved folder reads like M
 and llama.cpp.
 """
 
+import copy
+import json
+
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import SubConfigSpec
 
 from .configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig, kimi_linear_layer_types
-from .configuration_kimi_hybrid_vision import KimiK3VisionConfig
+from .configuration_kimi_hybrid_vision import KimiK3VisionConfig, with_extra_attributes
 
 
 # The compressed-tensors scheme of K3's routed experts (text_config.quantization_config of the release)
@@ -132,8 +135,21 @@ class KimiK3TextConfig(KimiHybridTextConfig):
                 f"mlp_layer_types {self.mlp_layer_types}"
             )
 
+    def to_json_string(self, use_diff: bool = True) -> str:
+        """A text config saved on its own (KimiK3ForCausalLM's config.json): the released field names and values
+        under this class's model_type (a top-level "kimi_linear" would be read as transformers' own Kimi Linear).
+        to_dict stays the released text_config, as it is nested in K3's config.json."""
+        out = self.to_dict()
+        out["model_type"] = self.model_type
+        out["architectures"] = list(self.architectures or ["KimiK3ForCausalLM"])
+        for name in ("auto_map", "transformers_version"):
+            if getattr(self, name, None):
+                out[name] = copy.deepcopy(getattr(self, name))
+        return json.dumps(out, indent=2, sort_keys=True) + "\n"
+
     def to_dict(self) -> dict:
-        """The released text_config's field names and values (model_type "kimi_linear", 1-based layer lists)."""
+        """The released text_config's field names and values (model_type "kimi_linear", 1-based layer lists), then
+        the instance's extra attributes (with_extra_attributes)."""
         kda = [i + 1 for i, t in enumerate(self.layer_types) if t == "linear_attention"]
         mla = [i + 1 for i, t in enumerate(self.layer_types) if t == "full_attention"]
         block = self.resolved_attn_residual_block_size()
@@ -195,7 +211,7 @@ class KimiK3TextConfig(KimiHybridTextConfig):
             out["dtype"] = str(self.dtype).removeprefix("torch.")
         if self.experts_quantization_config is not None:
             out["quantization_config"] = dict(self.experts_quantization_config)
-        return out
+        return with_extra_attributes(self, out)
 
     def to_diff_dict(self) -> dict:
         return self.to_dict()  # every released field, always (engines read them, defaults differ between codes)

@@ -47,6 +47,7 @@ AUTO_MAPS = {
     "kimi_k3_text": {
         "AutoConfig": "configuration_kimi_k3.KimiK3TextConfig",
         "AutoModel": "modeling_kimi_k3.KimiK3TextModel",
+        "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
     },
     "kimi_k3_vision": {
         "AutoConfig": "configuration_kimi_hybrid_vision.KimiK3VisionConfig",

@@ -817,6 +817,14 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     }
 
     @classmethod
+    def _can_set_experts_implementation(cls) -> bool:
+        """Every model of this family routes its experts through KimiHybridExperts (`@use_experts_implementation`,
+        this module). transformers' heuristic looks for the decorator in the class's own module source, and caches
+        its answer on the class: a subclass in another module (Kimi K3's) was refused when it asked first, and got
+        its base's answer when the base had asked first."""
+        return True
+
+    @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' parallelism at load time (docs/parallelism.md), after two checks made on every rank at once:
         pipeline parallelism is refused with Attention Residuals (in the forward, a later stage would wait for a
@@ -985,9 +993,11 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
     _tp_plan = {"lm_head": "colwise_gather_output"}
     _pp_plan = {"lm_head": (["hidden_states"], ["logits"])}
 
+    text_model_class = KimiHybridTextModel  # Kimi K3's text-only subclass sets its own
+
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__(config)
-        self.model = KimiHybridTextModel(config)
+        self.model = self.text_model_class(config)
         self.vocab_size = config.vocab_size
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()

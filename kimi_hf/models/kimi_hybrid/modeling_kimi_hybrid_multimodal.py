@@ -44,8 +44,8 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     def _can_set_experts_implementation(cls) -> bool:
         """transformers tells whether `set_experts_implementation` / `experts_implementation=` apply by looking for
         `@use_experts_implementation` in the class's own module; this model's experts are its decoder's
-        (modeling_kimi_hybrid.py), which the switch reaches through the sub-config."""
-        return KimiHybridTextModel._can_set_experts_implementation()
+        (modeling_kimi_hybrid.py, KimiHybridExperts), which the switch reaches through the sub-config."""
+        return True
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):

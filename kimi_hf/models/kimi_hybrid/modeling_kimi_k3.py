@@ -14,16 +14,18 @@ import os
 import re
 
 import torch
+from transformers.utils import logging
 
 from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
 from .conversion_mapping_kimi_hybrid import register_k3 as _register_k3_conversion_mapping
-from .modeling_kimi_hybrid import KimiHybridTextModel
+from .modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
 from .modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel
 from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
 from .mxfp4_kimi_hybrid import quantize_mxfp4
 
 
 _register_k3_conversion_mapping()
+logger = logging.get_logger(__name__)
 
 # PEFT LoRA targets recommended for Kimi K3's text backbone: KDA's q/k/v/o projections, MLA's q LoRA chain, latent
 # and kv expansion and output projection, the dense / shared-expert SiTU-GLU FFNs and the Stable LatentMoE bridges
@@ -52,6 +54,21 @@ class KimiK3TextModel(KimiHybridTextModel):
 
     config: KimiK3TextConfig
     config_class = KimiK3TextConfig
+
+
+class KimiK3ForCausalLM(KimiHybridForCausalLM):
+    """K3's text backbone with a head, for text-only use (AutoModelForCausalLM of a `kimi_k3_text` config): the
+    hybrid causal LM's layout (`model.*`, `lm_head.*`; from_pretrained of a released multimodal folder gives
+    KimiK3ForConditionalGeneration instead). It holds its routed experts dense, so it saves them dense: the
+    config it writes has no quantization_config."""
+
+    config: KimiK3TextConfig
+    config_class = KimiK3TextConfig
+    text_model_class = KimiK3TextModel
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        with _experts_quantization(self.config, None):
+            return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 class KimiK3Model(KimiHybridModel):
@@ -89,19 +106,45 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str = "mxfp4") -> dict[str, torch.Tensor]:
+def k3_state_dict(
+    model: "KimiK3ForConditionalGeneration",
+    experts_format: str = "mxfp4",
+    state_dict: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """The model's tensors under Kimi K3's released names and shapes (the inverse of the load-time conversion):
     `language_model.model.*` / `language_model.lm_head.weight` / `vision_tower.*` / `mm_projector.*`, MoE blocks as
     `block_sparse_moe` with per-expert `w1` (gate), `w3` (up), `w2` (down), Attention Residual pairs as
     `*_res_norm.weight` [d] and `*_res_proj.weight` [1, d], `A_log` zero-padded to [head_dim].
     experts_format "mxfp4": `weight_packed` / `weight_scale` (round to nearest E2M1 where a weight is not on the
-    grid; lossless for weights loaded from MXFP4), "dense": `.weight` in the model's dtype (bf16 for a bf16 model)."""
-    if experts_format not in ("mxfp4", "dense"):
-        raise ValueError(f"experts_format must be 'mxfp4' or 'dense', got {experts_format!r}")
+    grid; lossless for weights loaded from MXFP4), "dense": `.weight` in the model's dtype (bf16 for a bf16 model),
+    "lossless": MXFP4 if every expert is on the MXFP4 grid (exact), else dense (what `save_pretrained` does by default
+    for a model loaded from MXFP4, so that a save never rounds a fine-tuned weight silently).
+    state_dict: the model's tensors under its own names (default `model.state_dict()`; Trainer passes its own, e.g.
+    accelerate's gathered FSDP state dict)."""
+    if experts_format not in ("mxfp4", "dense", "lossless"):
+        raise ValueError(f"experts_format must be 'mxfp4', 'dense' or 'lossless', got {experts_format!r}")
+    if experts_format == "lossless":
+        try:
+            return _k3_state_dict(model, "exact", state_dict)
+        except _OffGrid as e:
+            logger.warning(
+                f"{e}: the routed experts are no longer on the MXFP4 grid (trained?), so they are saved as dense "
+                "`.weight` tensors, losslessly; pass experts_format='mxfp4' to round them to MXFP4 instead"
+            )
+            return _k3_state_dict(model, "dense", state_dict)
+    return _k3_state_dict(model, experts_format, state_dict)
+
+
+class _OffGrid(ValueError):
+    """An expert weight that MXFP4 cannot hold exactly (k3_state_dict's "lossless" format falls back to dense)."""
+
+
+def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Tensor]:
+    """k3_state_dict's conversion; experts_format "mxfp4", "exact" (MXFP4, raising _OffGrid) or "dense"."""
     text = model.config.text_config
     vision_renames = _inverse_vision_renames()
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         tensor = _full(tensor.detach())
         if name.startswith("lm_head."):
             out["language_model." + name] = tensor
@@ -135,8 +178,11 @@ def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str =
             padded = tensor.new_zeros(max(text.linear_head_dim, tensor.numel()))
             padded[: tensor.numel()] = tensor  # the release stores [head_dim], heads first, zeros after
             tensor = padded
-        if rest.endswith("block_sparse_moe.gate.weight"):
-            tensor = tensor.to(model.dtype)  # kept fp32 in memory, stored in the model's dtype as released
+        if rest.endswith("block_sparse_moe.gate.weight") and torch.equal(
+            tensor.to(model.dtype).to(tensor.dtype), tensor
+        ):
+            # kept fp32 in memory, stored in the model's dtype as released, unless that would round it (trained)
+            tensor = tensor.to(model.dtype)
         prefix = "language_model.model."
         if rest.endswith(".experts.gate_up_proj") or rest.endswith(".experts.down_proj"):
             base = prefix + rest.rsplit(".", 1)[0]
@@ -148,14 +194,119 @@ def k3_state_dict(model: "KimiK3ForConditionalGeneration", experts_format: str =
             for w, stacked in parts.items():
                 for e in range(stacked.shape[0]):
                     key = f"{base}.{e}.{w}"
-                    if experts_format == "mxfp4":
-                        packed, scale = quantize_mxfp4(stacked[e], name=key, exact=False)
+                    if experts_format in ("mxfp4", "exact"):
+                        try:
+                            packed, scale = quantize_mxfp4(stacked[e], name=key, exact=experts_format == "exact")
+                        except ValueError as err:
+                            if experts_format == "exact" and "not MXFP4-representable" in str(err):
+                                raise _OffGrid(key) from None
+                            raise
                         out[key + ".weight_packed"], out[key + ".weight_scale"] = packed, scale
                     else:
                         out[key + ".weight"] = stacked[e].contiguous()
             continue
         out[prefix + rest] = tensor
     return out
+
+
+RELEASED_PREFIXES = ("language_model.", "vision_tower.", "mm_projector.")
+_RELEASED_EXPERT = re.compile(
+    r"^language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale|weight)$"
+)
+
+
+@torch.no_grad()
+def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict) -> tuple[set, set]:
+    """Copies a state dict in Kimi K3's released layout (all of it or one shard) into the model's parameters in
+    place; returns (missing, unexpected) under the model's names. Routed experts (`w1` / `w3` / `w2`, MXFP4 or
+    `.weight`) are decoded one by one into their slice of `gate_up_proj` (w1 rows, then w3 rows) and `down_proj`;
+    everything else goes through transformers' loader with K3's conversion mapping (one source for the renames,
+    A_log's padding and the Attention Residual shapes), whose new tensors are then copied into the old ones."""
+    from transformers.core_model_loading import convert_and_load_state_dict_in_model
+    from transformers.modeling_utils import LoadStateDictConfig
+
+    from .conversion_mapping_kimi_hybrid import _as_bytes, k3_mapping
+    from .mxfp4_kimi_hybrid import dequantize_mxfp4
+
+    experts, rest = {}, {}
+    for key, tensor in state_dict.items():
+        m = _RELEASED_EXPERT.match(key)
+        if m:
+            experts.setdefault(m.groups()[:3], {})[m.group(4)] = (key, tensor)
+        else:
+            rest[key] = tensor
+    covered, unexpected = set(), set()
+    # a packed expert whose weight_packed and weight_scale came in different calls (shards): the first half waits
+    # on the model for the other
+    pending = model.__dict__.setdefault("_k3_pending_expert_halves", {})
+    for group in list(experts):
+        if group in pending:
+            experts[group] = {**pending.pop(group), **experts[group]}
+    for group, parts in list(experts.items()):
+        if "weight" not in parts and len(parts) == 1:
+            pending[group] = experts.pop(group)
+    for (layer, e, w), parts in experts.items():
+        name = f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            unexpected.update(key for key, _ in parts.values())
+            continue
+        target = param[int(e)]
+        if w != "w2":
+            half = target.shape[0] // 2
+            target = target[:half] if w == "w1" else target[half:]
+        if "weight" in parts:
+            value = parts["weight"][1]
+        elif "weight_packed" in parts and "weight_scale" in parts:
+            key = parts["weight_packed"][0]
+            value = dequantize_mxfp4(
+                _as_bytes(parts["weight_packed"][1], key),
+                _as_bytes(parts["weight_scale"][1], key),
+                dtype=param.dtype,
+                name=key,
+                expected_shape=tuple(target.shape),
+            )
+        else:
+            raise ValueError(f"{next(iter(parts.values()))[0]}: an MXFP4 expert with a .weight beside its bytes")
+        if tuple(value.shape) != tuple(target.shape):
+            raise ValueError(
+                f"{next(iter(parts.values()))[0]}: shape {tuple(value.shape)}, the model's {tuple(target.shape)}"
+            )
+        target.copy_(value)
+        covered.add(name)
+    waiting = {
+        f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+        for layer, _, w in pending
+    }
+    if not rest:
+        return waiting, unexpected  # only experts: a shard (the caller knows what the whole checkpoint holds)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    before.update(model.named_buffers(remove_duplicate=False))
+    device = next(model.parameters()).device
+    config = LoadStateDictConfig(weight_mapping=k3_mapping(), device_map={"": device})
+    info, _ = convert_and_load_state_dict_in_model(model, rest, config, None)
+    for name, old in before.items():
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        new = getattr(module, attr)
+        if new is not old:  # the loader set a new tensor: its values go into the old one, which stays
+            old.copy_(new.detach())
+            if attr in module._parameters:
+                module._parameters[attr] = old
+            else:
+                module._buffers[attr] = old
+    if info.conversion_errors:
+        from .hub_kimi_hybrid import conversion_error_messages
+
+        raise ValueError("; ".join(conversion_error_messages(info.conversion_errors)))
+    if info.mismatched_keys:
+        raise ValueError(
+            "size mismatch: "
+            + "; ".join(f"{k}: {tuple(a)} vs the model's {tuple(b)}" for k, a, b in info.mismatched_keys)
+        )
+    missing = (set(info.missing_keys) - covered) | waiting
+    return missing, unexpected | set(info.unexpected_keys)
 
 
 class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
@@ -216,21 +367,59 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
         if not found:
             self.generation_config = GenerationConfig.from_model_config(self.config)
 
-    def save_pretrained(self, save_directory, *args, experts_format: str | None = None, **kwargs):
-        """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names.
+    def save_pretrained(
+        self,
+        save_directory,
+        *args,
+        experts_format: str | None = None,
+        state_dict: dict | None = None,
+        save_original_format: bool = True,
+        **kwargs,
+    ):
+        """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names, with every
+        keyword of transformers' `save_pretrained` (Trainer's `state_dict=`, `max_shard_size`, `is_main_process`, ...).
         experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released: weights off the MXFP4 grid,
         e.g. after fine-tuning, round to nearest), "dense" (plain `.weight` tensors in the model's dtype; the saved
-        text_config then has no quantization_config), or None: as loaded (MXFP4 when the config says so)."""
-        if kwargs.get("state_dict") is not None:
-            raise ValueError("save_pretrained of a K3 model writes its own state dict (k3_state_dict): state_dict")
+        text_config then has no quantization_config), or None: as loaded, losslessly (MXFP4 when the config says so
+        and the experts are still on its grid, else dense with a warning), so that Trainer's checkpoints resume
+        bit for bit.
+        state_dict: the tensors to write under the model's own names (default: the model's); converted likewise.
+        save_original_format=False: transformers' in-memory layout instead (our names, dense experts), which
+        from_pretrained reads too."""
         text = self.config.text_config
+        if not save_original_format:
+            if experts_format not in (None, "dense"):
+                raise ValueError(
+                    f"save_original_format=False writes dense experts, not experts_format={experts_format!r}"
+                )
+            with _experts_quantization(text, None):
+                return super().save_pretrained(
+                    save_directory, *args, state_dict=state_dict, save_original_format=False, **kwargs
+                )
         if experts_format is None:
-            experts_format = "mxfp4" if experts_are_mxfp4(text) else "dense"
-        state = k3_state_dict(self, experts_format)
-        with _experts_quantization(text, K3_MXFP4_QUANTIZATION_CONFIG if experts_format == "mxfp4" else None):
+            experts_format = "lossless" if experts_are_mxfp4(text) else "dense"
+        state = k3_state_dict(self, experts_format, state_dict)
+        mxfp4 = any(k.endswith(".weight_packed") for k in state)
+        with _experts_quantization(text, K3_MXFP4_QUANTIZATION_CONFIG if mxfp4 else None):
             return super().save_pretrained(
                 save_directory, *args, state_dict=state, save_original_format=False, **kwargs
             )
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's load_state_dict, which also reads Kimi K3's released layout (what save_pretrained writes, so what
+        Trainer's checkpoints hold: `resume_from_checkpoint` loads them through this, shard by shard). Released
+        tensors are converted by the same checkpoint conversion mapping as from_pretrained and copied into the
+        existing parameters in place (an optimizer built on them keeps them); each routed expert is decoded into
+        its slice of the stacked experts, so a layer's experts may come in several calls (shards)."""
+        if not any(k.startswith(RELEASED_PREFIXES) for k in state_dict):
+            return super().load_state_dict(state_dict, strict=strict, assign=assign)
+        missing, unexpected = load_k3_state_dict(self, state_dict)
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"Error(s) in loading state_dict for {type(self).__name__}: missing keys {sorted(missing)}, "
+                f"unexpected keys {sorted(unexpected)}"
+            )
+        return torch.nn.modules.module._IncompatibleKeys(sorted(missing), sorted(unexpected))
 
 
 @contextlib.contextmanager
@@ -247,6 +436,7 @@ def _experts_quantization(text_config, value):
 __all__ = [
     "K3_LORA_TARGET_MODULES",
     "KimiK3TextModel",
+    "KimiK3ForCausalLM",
     "KimiK3Model",
     "KimiK3ForConditionalGeneration",
     "k3_state_dict",

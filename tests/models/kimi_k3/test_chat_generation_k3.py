@@ -90,3 +90,33 @@ def test_pipeline_returns_the_reply(taught):
     result = pipe(text=question(), max_new_tokens=80, generate_kwargs={"do_sample": False}, thinking_effort=None)
     reply = result[0]["generated_text"][-1]
     assert reply["role"] == "assistant" and reply["content"] == "two"
+
+
+def test_a_pipeline_reply_without_a_response_channel_has_content(taught):
+    """Cut after the think channel (two tokens: `<|close|>think<|sep|>`), the reply has no response channel; the
+    parsed assistant message still has `content` (empty), as transformers' own parsed messages do (issue 24 item 4)."""
+    model, processor, _ = taught
+    pipe = pipeline("image-text-to-text", model=model, processor=processor)
+    result = pipe(text=question(), max_new_tokens=2, generate_kwargs={"do_sample": False}, thinking_effort=None)
+    reply = result[0]["generated_text"][-1]
+    assert reply["role"] == "assistant" and reply["content"] == "", reply
+    assert "tool_calls" not in reply
+
+
+def test_parsed_replies_always_carry_content():
+    """Both markups' response templates: a reply of tool calls only, or of nothing, parses to a message with
+    `content` (empty)."""
+    from transformers.utils.chat_parsing.response_parser import parse_response
+
+    from kimi_hf.models.kimi_hybrid.chat_markup_kimi_hybrid import RESPONSE_TEMPLATE
+    from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import K3_RESPONSE_TEMPLATE
+
+    k3 = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+    call = '<|open|>call tool="f"<|sep|><|open|>argument key="a"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'
+    parsed = parse_response(f"<|close|>think<|sep|>{call}<|end_of_msg|>", K3_RESPONSE_TEMPLATE, prefix=k3)
+    assert parsed["content"] == "" and parsed["tool_calls"][0]["function"]["name"] == "f"
+    kimi = "<|im_assistant|>assistant<|im_middle|>"
+    calls = '<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>{"a": 1}'
+    calls += "<|tool_call_end|><|tool_calls_section_end|><|im_end|>"
+    assert parse_response(calls, RESPONSE_TEMPLATE, prefix=kimi)["content"] == ""
+    assert parse_response("<|im_end|>", RESPONSE_TEMPLATE, prefix=kimi) == {"role": "assistant", "content": ""}

@@ -4,16 +4,24 @@
     python examples/lora_finetune.py --model outputs/quickstart/model  # the quickstart's model
 
 Task: name the standard-library module a docstring line comes from (chat format; loss on the
-assistant's reply only). LoRA adapters on the KDA / MLA / MLP projections (kimi_hf.LORA_TARGET_MODULES);
-everything else frozen (a memorisation task: the point is the PEFT mechanics). Prints trainable
-parameters, the answer accuracy on the training lines before / after, saves the
-adapter (a few hundred KB), reloads it with PeftModel.from_pretrained (same logits) and merges it.
+assistant's reply only). LoRA adapters on the KDA / MLA / MLP projections (kimi_hf.LORA_TARGET_MODULES;
+K3_LORA_TARGET_MODULES for a Kimi K3 folder); everything else frozen (a memorisation task: the point is
+the PEFT mechanics). Prints trainable parameters, the answer accuracy on the training lines before /
+after, saves the adapter (a few hundred KB), reloads it from its folder alone with
+AutoPeftModelForCausalLM (same logits) and merges it.
+
+The LoRA config says task_type="CAUSAL_LM": PEFT then records the task in adapter_config.json, and
+`AutoPeftModelForCausalLM.from_pretrained(adapter)` loads the base model with transformers'
+AutoModelForCausalLM (every Kimi class is registered there once kimi_hf is imported: Kimi Linear text and
+multimodal, K3 text and K3). Without a task type PEFT records the base class's module instead, and
+AutoPeftModel* refuse to import it (kimi_hf is not in PEFT's import allowlist; such an adapter loads with
+`import_allowlist=["kimi_hf"]`). The adapter points at the base model by `base_model_name_or_path`: a
+fresh model is saved (with its processor) under OUT/base first and trained from there.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib
 import json
 import os
@@ -22,7 +30,7 @@ import sys
 import warnings
 
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import AutoPeftModelForCausalLM, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
 import kimi_hf
@@ -54,8 +62,11 @@ def examples(seed: int) -> list[dict]:
     return rows
 
 
-def load_base(model_dir: str | None, rows):
+def load_base(model_dir: str | None, rows, out: str):
+    """The base model and its processor: from model_dir, or a fresh tiny model saved under OUT/base and loaded
+    back from there (so that the adapter's base_model_name_or_path names a folder AutoPeftModel can load)."""
     if model_dir:
+        model_dir = os.path.abspath(model_dir)  # recorded in the adapter's config: loadable from any directory
         processor = AutoProcessor.from_pretrained(model_dir)
         multimodal = (
             json.load(open(os.path.join(model_dir, "config.json")))["model_type"]
@@ -67,7 +78,19 @@ def load_base(model_dir: str | None, rows):
         [r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4, vocab_size=400
     )
     processor = kimi_hf.KimiHybridProcessor(kimi_hf.KimiHybridImageProcessor(), tokenizer)
-    return small_multimodal_model(tokenizer, "tiny"), processor
+    base_dir = os.path.abspath(os.path.join(out, "base"))
+    small_multimodal_model(tokenizer, "tiny").save_pretrained(base_dir)
+    processor.save_pretrained(base_dir)
+    return load_base(base_dir, rows, out)
+
+
+def lora_targets(model) -> list[str]:
+    """The package's recommended LoRA targets: K3's (its q LoRA chain and LatentMoE bridges too) for a K3 model."""
+    if isinstance(model.config, (kimi_hf.KimiK3Config, kimi_hf.KimiK3TextConfig)):
+        from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+
+        return K3_LORA_TARGET_MODULES
+    return kimi_hf.LORA_TARGET_MODULES
 
 
 def accuracy(model, processor, rows) -> float:
@@ -89,19 +112,18 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     rows = examples(args.seed)
-    base, processor = load_base(args.model, rows)
+    base, processor = load_base(args.model, rows, args.out)
     before = accuracy(base, processor, rows)
 
-    pristine = copy.deepcopy(base)  # get_peft_model wraps `base` in place; the adapter is reloaded onto this copy
+    targets = lora_targets(base)
+    # task_type="CAUSAL_LM": what AutoPeftModelForCausalLM.from_pretrained(adapter) needs (see the docstring)
     lora = LoraConfig(
-        r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=kimi_hf.LORA_TARGET_MODULES
+        r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
     )
     model = get_peft_model(base, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
-    print(
-        f"LoRA r={args.rank} on {kimi_hf.LORA_TARGET_MODULES}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.1f}%)"
-    )
+    print(f"LoRA r={args.rank} on {targets}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.1f}%)")
     targs = TrainingArguments(
         output_dir=os.path.join(args.out, "trainer"),
         per_device_train_batch_size=16,
@@ -126,11 +148,11 @@ def main(argv=None) -> dict:
     probe = processor(
         text=[processor.apply_chat_template(rows[0]["messages"], tokenize=False)], return_tensors="pt"
     ).to(model.device)
-    pristine.to(model.device)  # Trainer moved the trained model (to CUDA when present)
     model.eval()
     with torch.no_grad():
         expected = model(input_ids=probe["input_ids"]).logits
-        reloaded = PeftModel.from_pretrained(pristine, adapter).eval()
+        # the adapter folder alone: the base model comes from its base_model_name_or_path
+        reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter).to(model.device).eval()  # Trainer may use CUDA
         reload_diff = (reloaded(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
         merged = reloaded.merge_and_unload()
         merge_diff = (merged(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
@@ -140,6 +162,7 @@ def main(argv=None) -> dict:
         f"\nadapter: {adapter} ({size_kb:.0f} KB); reloaded logits differ by {reload_diff:.1e}, merged by {merge_diff:.1e}"
     )
     return {
+        "adapter": adapter,
         "before": before,
         "after": after,
         "reload_diff": reload_diff,

@@ -164,11 +164,60 @@ def test_push_to_hub_dry_run_and_upload(quickstart_model, tmp_path, monkeypatch)
     assert uploaded["repo_id"] == "me/tiny" and uploaded["files"] == files
 
 
+def assert_adapter_loads_with_auto_peft(adapter: Path, base_class: str, targets: list[str]):
+    """The adapter folder alone loads with PEFT's AutoPeftModelForCausalLM (kimi_hf imported): task_type="CAUSAL_LM"
+    in its config (without one PEFT imports the base class's module, kimi_hf's, which its allowlist refuses), the base
+    model from base_model_name_or_path, and the trained LoRA weights."""
+    import json
+
+    import torch
+    from peft import AutoPeftModelForCausalLM, PeftModelForCausalLM, get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    model = AutoPeftModelForCausalLM.from_pretrained(adapter)
+    assert isinstance(model, PeftModelForCausalLM) and type(model.get_base_model()).__name__ == base_class
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["task_type"] == "CAUSAL_LM" and sorted(config["target_modules"]) == sorted(targets)
+    saved, loaded = load_file(adapter / "adapter_model.safetensors"), get_peft_model_state_dict(model)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    assert any(k.endswith("lora_B.weight") and v.abs().sum() > 0 for k, v in saved.items())  # trained (B starts at 0)
+
+
 def test_lora_finetune(tmp_path, capsys):
+    import kimi_hf
+
     res = load("lora_finetune").main(["--steps", "30", "--out", str(tmp_path)])
     assert res["reload_diff"] < 1e-4 and res["merge_diff"] < 1e-3
     assert res["adapter_kb"] < 2000
     assert "| + LoRA (30 steps) |" in capsys.readouterr().out
+    assert_adapter_loads_with_auto_peft(
+        tmp_path / "adapter", "KimiHybridForConditionalGeneration", kimi_hf.LORA_TARGET_MODULES
+    )
+
+
+def test_lora_finetune_kimi_k3(tmp_path):
+    """The example on a (tiny) Kimi K3 folder: K3's LoRA targets, and the adapter loads with AutoPeftModelForCausalLM
+    as well (AutoModelForCausalLM is registered for K3's config: KimiK3ForConditionalGeneration; PEFT has no
+    image-text-to-text auto class)."""
+    import torch
+
+    import kimi_hf
+    from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+    from kimi_hf.quickstart import small_k3_model
+    from kimi_hf.tokenization import train_tokenizer
+
+    example = load("lora_finetune")
+    rows = example.examples(0)
+    corpus = [r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4
+    tokenizer = train_tokenizer(corpus, vocab_size=400, markup="k3")
+    torch.manual_seed(0)
+    small_k3_model(tokenizer, "tiny", 84).save_pretrained(tmp_path / "k3")
+    kimi_hf.KimiK3Processor(kimi_hf.KimiK3ImageProcessor(), tokenizer).save_pretrained(tmp_path / "k3")
+    res = example.main(["--model", str(tmp_path / "k3"), "--steps", "10", "--out", str(tmp_path / "lora")])
+    assert res["reload_diff"] < 1e-4 and res["merge_diff"] < 1e-3
+    assert_adapter_loads_with_auto_peft(
+        tmp_path / "lora" / "adapter", "KimiK3ForConditionalGeneration", K3_LORA_TARGET_MODULES
+    )
 
 
 def test_k3_from_scratch(tmp_path, capsys):

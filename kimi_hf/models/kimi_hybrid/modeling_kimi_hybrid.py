@@ -926,7 +926,12 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
                     **kwargs,
                 )
         else:  # depth sources: the embedding as block 0; the partial sum starts empty
-            if any(not isinstance(layer, KimiHybridDecoderLayer) for layer in self.layers):
+            # (a layer wrapped by torch's checkpoint_wrapper, as accelerate's fsdp_activation_checkpointing does, is
+            # still one; pipeline parallelism puts placeholders in place of another stage's layers)
+            if any(
+                not isinstance(getattr(layer, "_checkpoint_wrapped_module", layer), KimiHybridDecoderLayer)
+                for layer in self.layers
+            ):
                 raise NotImplementedError(_ATTN_RES_PP_ERROR)
             blocks = inputs_embeds[None]
             for layer, layer_type in zip(self.layers, layer_types):

@@ -25,6 +25,14 @@ from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, check_par
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridConfig
     config_class = KimiHybridConfig
@@ -165,6 +173,27 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
             mask, features.to(inputs_embeds.device, inputs_embeds.dtype)
         ), image_outputs
 
+    def keep_vision_in_graph(self, inputs_embeds: torch.Tensor) -> torch.Tensor:
+        """inputs_embeds [B, T, D] plus an exact 0 that depends on every trainable parameter of the vision tower and
+        the projector, for a training step without images: they get a zero gradient instead of none. DDP's default
+        (`find_unused_parameters=False`, what Trainer passes under gradient checkpointing and accelerate passes
+        always) otherwise fails at the next step on a text-only batch ("Expected to have finished reduction in the
+        prior iteration"); one process and FSDP2 get the same zero gradients, so all of them train alike. The rule:
+        on text-only training steps the tower's gradient is 0 (as with the dense gradient buffers of Megatron /
+        DeepSpeed), so an optimizer's weight decay and momentum still act on it; freeze it
+        (`model.model.vision_tower.requires_grad_(False)`) to keep it fixed. Parameters sharded as DTensors outside
+        their own module's forward (FSDP2 units inside the tower) are left out: FSDP handles unused parameters."""
+        params = [
+            p
+            for module in (self.vision_tower, self.mm_projector)
+            for p in module.parameters()
+            if p.requires_grad and not _is_dtensor(p)
+        ]
+        if not params:
+            return inputs_embeds
+        zero = torch.cat([p.reshape(-1)[:1].to(inputs_embeds.device, inputs_embeds.dtype) for p in params]).sum()
+        return inputs_embeds + zero * 0.0
+
     @can_return_tuple
     def forward(
         self,
@@ -187,6 +216,8 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
         inputs_embeds, image_outputs = self.embed(
             input_ids, pixel_values, image_grid_thw, past_key_values, inputs_embeds=inputs_embeds
         )
+        if image_outputs is None and self.training and torch.is_grad_enabled():
+            inputs_embeds = self.keep_vision_in_graph(inputs_embeds)
         outputs = self.language_model(
             inputs_embeds=inputs_embeds,
             attention_mask=attention_mask,

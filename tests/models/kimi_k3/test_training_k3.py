@@ -227,6 +227,30 @@ def test_gradient_checkpointing_gives_the_same_gradients(use_reentrant):
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=0, atol=1e-5, msg=name)
 
 
+def test_torch_checkpoint_wrapper_around_the_layers_gives_the_same_gradients():
+    """torch's apply_activation_checkpointing (what accelerate's fsdp_activation_checkpointing applies) wraps each
+    decoder layer in a CheckpointWrapper; with Attention Residuals the decoder used to refuse such layers as if they
+    were a pipeline stage's placeholders."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+    from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridDecoderLayer
+
+    model = k3_model()
+    batch = text_batch()
+    model(**batch).loss.backward()
+    plain = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, KimiHybridDecoderLayer))
+    assert all(hasattr(layer, "_checkpoint_wrapped_module") for layer in model.model.language_model.layers)
+    model(**batch).loss.backward()
+    wrapped = {
+        n.replace("._checkpoint_wrapped_module", ""): p.grad for n, p in model.named_parameters() if p.grad is not None
+    }
+    assert wrapped.keys() == plain.keys()
+    for name in plain:
+        torch.testing.assert_close(wrapped[name], plain[name], rtol=0, atol=1e-6, msg=name)
+
+
 def _lora_train(model, batch, steps=4):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     losses = []

@@ -45,6 +45,7 @@ from transformers import PreTrainedTokenizerFast
 
 from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # K3: <|end_of_msg|>, [EOS]
 from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, use_k3_chat_markup
+from ..models.kimi_hybrid.hub_kimi_hybrid import atomic_write
 
 
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)
@@ -247,9 +248,7 @@ def save_portable_tokenizer(tokenizer, folder: str) -> None:
     with open(path, encoding="utf-8") as f:
         saved = json.load(f)
     cfg = portable_tokenizer_config(saved, tokenizer)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=2, ensure_ascii=False)
-        f.write("\n")
+    atomic_write(path, json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
 def generation_token_ids(tokenizer) -> dict:

@@ -143,15 +143,18 @@ EXTRA_ATTRIBUTES_KEY = "kimi_hf_extra_attributes"
 
 @functools.cache
 def _class_attribute_names(cls) -> frozenset:
-    return frozenset(PreTrainedConfig.to_dict(cls()))
+    return frozenset(vars(cls()))
 
 
 def extra_attributes(config) -> dict:
     """{name: value} of the attributes `config` holds beyond what an instance of its class has by default, other
     than transformers' generic ones (a release's config.json carries transformers 4.x's: `prefix`, `tokenizer_class`,
-    ...; the released spelling leaves them out) and `auto_map`."""
-    names = _class_attribute_names(type(config)) | TRANSFORMERS_GENERIC_FIELDS | {"auto_map"}
-    return {k: v for k, v in PreTrainedConfig.to_dict(config).items() if k not in names and not k.startswith("_")}
+    ...; the released spelling leaves them out), `auto_map` and `model_type`."""
+    names = _class_attribute_names(type(config)) | TRANSFORMERS_GENERIC_FIELDS | {"auto_map", "model_type"}
+    extras = {k: v for k, v in vars(config).items() if k not in names and not k.startswith("_")}
+    kept = dict.fromkeys(extras)  # what transformers never serialises (distributed_config, the plans, ...) goes
+    config._remove_keys_not_serialized(kept)
+    return {k: extras[k] for k in kept}
 
 
 def with_extra_attributes(config, out: dict) -> dict:

@@ -16,7 +16,7 @@ from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import SubConfigSpec
 
 from .configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig, kimi_linear_layer_types
-from .configuration_kimi_hybrid_vision import KimiK3VisionConfig, with_extra_attributes
+from .configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, KimiK3VisionConfig, with_extra_attributes
 
 
 # The compressed-tensors scheme of K3's routed experts (text_config.quantization_config of the release)
@@ -140,6 +140,8 @@ class KimiK3TextConfig(KimiHybridTextConfig):
         under this class's model_type (a top-level "kimi_linear" would be read as transformers' own Kimi Linear).
         to_dict stays the released text_config, as it is nested in K3's config.json."""
         out = self.to_dict()
+        # a text model saved alone holds its experts dense (KimiK3TextModel / KimiK3ForCausalLM): no MXFP4 scheme
+        out.pop("quantization_config", None)
         out["model_type"] = self.model_type
         out["architectures"] = list(self.architectures or ["KimiK3ForCausalLM"])
         for name in ("auto_map", "transformers_version"):
@@ -240,6 +242,7 @@ class KimiK3Config(KimiHybridConfig):
     def __post_init__(self, **kwargs):
         if "media_placeholder_token_id" in kwargs:
             self.image_token_id = kwargs.pop("media_placeholder_token_id")
+        kwargs.pop(EXTRA_ATTRIBUTES_KEY, None)  # the extras themselves stay in kwargs: they become attributes
         kwargs.pop("model_type", None)
         super().__post_init__(**kwargs)
         # the projector's post-norm eps lives in the released vision_config (projector_ln_eps)
@@ -265,7 +268,7 @@ class KimiK3Config(KimiHybridConfig):
             out["auto_map"] = dict(self.auto_map)
         if getattr(self, "transformers_version", None):
             out["transformers_version"] = self.transformers_version
-        return out
+        return with_extra_attributes(self, out)
 
     def to_diff_dict(self) -> dict:
         return self.to_dict()

@@ -187,12 +187,18 @@ class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):
             p
             for module in (self.vision_tower, self.mm_projector)
             for p in module.parameters()
-            if p.requires_grad and not _is_dtensor(p)
+            # left out: sharded outside their own forward (FSDP2 DTensors, FSDP1 flat and DeepSpeed ZeRO-3
+            # parameters), which their engines handle when unused
+            if p.requires_grad
+            and p.numel()
+            and not (_is_dtensor(p) or getattr(p, "_is_flat_param", False) or hasattr(p, "ds_id"))
         ]
         if not params:
             return inputs_embeds
-        zero = torch.cat([p.reshape(-1)[:1].to(inputs_embeds.device, inputs_embeds.dtype) for p in params]).sum()
-        return inputs_embeds + zero * 0.0
+        # the sum of an empty slice: exactly 0 whatever the values (a NaN or inf weight stays out of the text), and
+        # a zero gradient for every parameter
+        zero = torch.stack([p.reshape(-1)[:0].sum().float().to(inputs_embeds.device) for p in params]).sum()
+        return inputs_embeds + zero.to(inputs_embeds.device, inputs_embeds.dtype)
 
     @can_return_tuple
     def forward(

@@ -19,7 +19,7 @@ from transformers.utils import logging
 from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
 from .conversion_mapping_kimi_hybrid import register_k3 as _register_k3_conversion_mapping
 from .modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
-from .modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel
+from .modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel, _is_dtensor
 from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
 from .mxfp4_kimi_hybrid import quantize_mxfp4
 
@@ -60,15 +60,11 @@ class KimiK3ForCausalLM(KimiHybridForCausalLM):
     """K3's text backbone with a head, for text-only use (AutoModelForCausalLM of a `kimi_k3_text` config): the
     hybrid causal LM's layout (`model.*`, `lm_head.*`; from_pretrained of a released multimodal folder gives
     KimiK3ForConditionalGeneration instead). It holds its routed experts dense, so it saves them dense: the
-    config it writes has no quantization_config."""
+    config it writes has no quantization_config (KimiK3TextConfig.to_json_string)."""
 
     config: KimiK3TextConfig
     config_class = KimiK3TextConfig
     text_model_class = KimiK3TextModel
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        with _experts_quantization(self.config, None):
-            return super().save_pretrained(save_directory, *args, **kwargs)
 
 
 class KimiK3Model(KimiHybridModel):
@@ -235,7 +231,7 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
             experts.setdefault(m.groups()[:3], {})[m.group(4)] = (key, tensor)
         else:
             rest[key] = tensor
-    covered, unexpected = set(), set()
+    unexpected = set()
     # a packed expert whose weight_packed and weight_scale came in different calls (shards): the first half waits
     # on the model for the other
     pending = model.__dict__.setdefault("_k3_pending_expert_halves", {})
@@ -245,20 +241,32 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
     for group, parts in list(experts.items()):
         if "weight" not in parts and len(parts) == 1:
             pending[group] = experts.pop(group)
+    filled = {}  # stacked parameter -> the (expert, w) parts this call wrote
     for (layer, e, w), parts in experts.items():
-        name = f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+        name = _stacked_experts_name(layer, w)
+        first = next(iter(parts.values()))[0]
         try:
             param = model.get_parameter(name)
         except AttributeError:
+            unexpected.update(key for key, _ in parts.values())
+            continue
+        if _is_dtensor(param):
+            raise NotImplementedError(
+                f"{first}: load_state_dict of Kimi K3's released layout into tensor / expert-parallel experts; load "
+                "the folder with from_pretrained(..., tp_plan=... / distributed_config=...) instead"
+            )
+        if int(e) >= param.shape[0]:
             unexpected.update(key for key, _ in parts.values())
             continue
         target = param[int(e)]
         if w != "w2":
             half = target.shape[0] // 2
             target = target[:half] if w == "w1" else target[half:]
+        if "weight" in parts and len(parts) > 1:
+            raise ValueError(f"{first}: an expert stored both as .weight and as MXFP4 bytes")
         if "weight" in parts:
             value = parts["weight"][1]
-        elif "weight_packed" in parts and "weight_scale" in parts:
+        else:
             key = parts["weight_packed"][0]
             value = dequantize_mxfp4(
                 _as_bytes(parts["weight_packed"][1], key),
@@ -267,25 +275,33 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
                 name=key,
                 expected_shape=tuple(target.shape),
             )
-        else:
-            raise ValueError(f"{next(iter(parts.values()))[0]}: an MXFP4 expert with a .weight beside its bytes")
         if tuple(value.shape) != tuple(target.shape):
-            raise ValueError(
-                f"{next(iter(parts.values()))[0]}: shape {tuple(value.shape)}, the model's {tuple(target.shape)}"
-            )
+            raise ValueError(f"{first}: shape {tuple(value.shape)}, the model's {tuple(target.shape)}")
         target.copy_(value)
-        covered.add(name)
-    waiting = {
-        f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
-        for layer, _, w in pending
+        filled.setdefault(name, set()).add((int(e), w))
+    # a stacked parameter counts as loaded when this call wrote every expert's parts (a shard writes some)
+    expected = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+    covered = {
+        name
+        for name, parts in filled.items()
+        if parts
+        >= {(e, w) for e in range(model.get_parameter(name).shape[0]) for w in expected[name.rsplit(".", 1)[1]]}
     }
+    partly = set(filled) - covered
+    waiting = {_stacked_experts_name(layer, w) for layer, _, w in pending}
     if not rest:
-        return waiting, unexpected  # only experts: a shard (the caller knows what the whole checkpoint holds)
+        return waiting | partly, unexpected  # only experts: a shard (the caller knows what the checkpoint holds)
     before = dict(model.named_parameters(remove_duplicate=False))
     before.update(model.named_buffers(remove_duplicate=False))
-    device = next(model.parameters()).device
-    config = LoadStateDictConfig(weight_mapping=k3_mapping(), device_map={"": device})
+    # converted on the CPU: each new tensor then goes into its old one (on the model's device) one at a time, so the
+    # accelerator never holds two copies of the shard
+    config = LoadStateDictConfig(weight_mapping=k3_mapping(), device_map={"": "cpu"})
+    conversions = getattr(model, "_weight_conversions", None)
     info, _ = convert_and_load_state_dict_in_model(model, rest, config, None)
+    if conversions is None:
+        model.__dict__.pop("_weight_conversions", None)
+    else:
+        model._weight_conversions = conversions  # what from_pretrained recorded stays
     for name, old in before.items():
         module_name, _, attr = name.rpartition(".")
         module = model.get_submodule(module_name)
@@ -305,8 +321,13 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
             "size mismatch: "
             + "; ".join(f"{k}: {tuple(a)} vs the model's {tuple(b)}" for k, a, b in info.mismatched_keys)
         )
-    missing = (set(info.missing_keys) - covered) | waiting
+    missing = (set(info.missing_keys) - covered) | waiting | partly
     return missing, unexpected | set(info.unexpected_keys)
+
+
+def _stacked_experts_name(layer: str, w: str) -> str:
+    """The model's stacked experts parameter that released expert tensor w (w1 / w3 / w2) of a layer goes into."""
+    return f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
 
 
 class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):

@@ -14,7 +14,7 @@ from transformers import Trainer, TrainingArguments
 from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
-from .release_format import tiny_k3_config, write_k3_checkpoint
+from .release_format import dequantize_mxfp4, tiny_k3_config, write_k3_checkpoint
 
 
 CONFIG = tiny_k3_config()
@@ -143,17 +143,31 @@ def _umask() -> int:
 
 
 def test_untrained_experts_stay_mxfp4_and_rounding_is_asked_for(release, tmp_path):
-    """The lossless default keeps MXFP4 for experts on its grid (bit for bit the release's bytes); experts off the
-    grid are rounded only when asked (experts_format="mxfp4")."""
+    """The lossless default keeps MXFP4 for experts on its grid (the release's values); experts off the
+    grid are saved dense with the same values, and rounded only when asked (experts_format="mxfp4")."""
     model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
     model.save_pretrained(tmp_path / "as_loaded")
     with open(tmp_path / "as_loaded" / "config.json") as f:
         assert "quantization_config" in json.load(f)["text_config"]
+    released, saved = _tensors(release), _tensors(tmp_path / "as_loaded")
+    packed = [k for k in released if k.endswith(".weight_packed")]
+    assert packed and set(packed) <= set(saved)  # MXFP4 again (the same values; quantize_mxfp4 says which bytes)
+    assert all(
+        torch.equal(
+            dequantize_mxfp4(saved[k], saved[k.replace("packed", "scale")]),
+            dequantize_mxfp4(released[k], released[k.replace("packed", "scale")]),
+        )
+        for k in packed
+    )
     with torch.no_grad():
         model.model.language_model.layers[1].mlp.experts.down_proj.add_(1e-3)
     model.save_pretrained(tmp_path / "rounded", experts_format="mxfp4")
     with open(tmp_path / "rounded" / "config.json") as f:
         assert "quantization_config" in json.load(f)["text_config"]
+    rounded = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "rounded", dtype=torch.float32)
+    got = rounded.model.language_model.layers[1].mlp.experts.down_proj
+    moved = model.model.language_model.layers[1].mlp.experts.down_proj
+    assert not torch.equal(got, moved) and (got - moved).abs().max() < 0.5 * moved.abs().max()
     model.save_pretrained(tmp_path / "lossless")
     back = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "lossless", dtype=torch.float32)
     assert torch.equal(
@@ -176,9 +190,24 @@ def test_load_state_dict_reads_the_release_layout_shard_by_shard(release):
         model.load_state_dict(load_file(os.path.join(release, shard)), strict=False)
     a, b = _state(model), _state(expected)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []
-    # strict on a partial dict names what is missing
+    # strict on a partial dict names what is missing, a single expert left out included
     with pytest.raises(RuntimeError, match="missing keys"):
         model.load_state_dict(load_file(os.path.join(release, shards[0])))
+    full = {k: v for shard in shards for k, v in load_file(os.path.join(release, shard)).items()}
+    model.load_state_dict(full)  # strict: every key
+    del full["language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight_packed"]
+    del full["language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight_scale"]
+    with pytest.raises(RuntimeError, match=r"layers\.1\.mlp\.experts\.gate_up_proj"):
+        model.load_state_dict(full)
+
+
+def _tensors(folder) -> dict:
+    out = {}
+    for name in os.listdir(folder):
+        if name.endswith(".safetensors"):
+            with safe_open(os.path.join(folder, name), "pt") as f:
+                out.update({k: f.get_tensor(k) for k in f.keys()})
+    return out
 
 
 @pytest.mark.parametrize(

@@ -36,20 +36,16 @@ def served_model_types() -> dict[str, dict[str, str]]:
 
 
 def served_model_classes() -> dict[type, bool]:
-    """The generation classes of `served_model_types()` -> whether they are image-text models; imported from the
-    modules AUTO_MAPS names, as kimi_hf's registration does (the same class objects)."""
-    import importlib
+    """The generation classes of `served_model_types()` -> whether they are image-text models: the package's
+    own names for them (getting one from kimi_hf registers the Auto classes, in `kimi-hf`'s process too)."""
+    import kimi_hf
 
-    from .models.kimi_hybrid import hub_kimi_hybrid
-
-    package = hub_kimi_hybrid.__name__.rpartition(".")[0]
     classes: dict[type, bool] = {}
     for entries in served_model_types().values():
         multimodal = "AutoModelForImageTextToText" in entries
         for auto in GENERATION_AUTO_CLASSES:
             if auto in entries:
-                module, _, name = entries[auto].partition(".")
-                cls = getattr(importlib.import_module(f"{package}.{module}"), name)
+                cls = getattr(kimi_hf, entries[auto].partition(".")[2])
                 classes[cls] = classes.get(cls, False) or multimodal
     return classes
 
@@ -67,8 +63,6 @@ def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -
     import transformers.cli.serving.model_manager as manager
     import transformers.cli.serving.utils as serving_utils
     from transformers import AutoConfig, AutoTokenizer
-
-    from . import KimiHybridConfig  # noqa: F401  (a model name: registers the Auto classes, in `kimi-hf` too)
 
     classes = served_model_classes()
     for cls in classes:

@@ -94,12 +94,7 @@ _RES_NAMES = (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res"), ("fina
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor- / expert-parallel parameter (DTensor) gathered whole (a collective: every rank calls it, in the
     state dict's order); a plain tensor as it is."""
-    if torch.distributed.is_available():
-        from torch.distributed.tensor import DTensor
-
-        if isinstance(tensor, DTensor):
-            return tensor.full_tensor()
-    return tensor
+    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
 
 
 def k3_state_dict(

@@ -256,7 +256,7 @@ LOAD_ONLY_CONVERSION = (
 
 
 class _Common:
-    """What both test classes share."""
+    """What every test class of these suites shares (the hybrid's and Kimi K3's, text and multimodal)."""
 
     # test_can_init_all_missing_weights skips a model whose configuration file has no "# Copyright <year>" line of
     # 2023 or later (transformers' legacy models); ours is new and has no such line: run it
@@ -266,74 +266,49 @@ class _Common:
     def test_sdpa_can_dispatch_on_flash(self):
         pass
 
+    def test_config(self):
+        self.config_tester.run_common_tests()
 
-# The common tests we fail on purpose, with why.
-PLACEHOLDERS_NEED_PIXELS = (
-    "KimiHybridModel.embed raises 'image placeholder tokens but no pixel_values' for the input_ids-only batch "
-    "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): deliberate, a "
-    "prompt whose images were forgotten must not run as text (test_modeling_multimodal.py tests the error)"
-)
-XFAIL_TEXT = {}
+    @unittest.skip(
+        "transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
+        "class cannot inherit it; generate is tested in test_modeling*.py (models/kimi_hybrid, models/kimi_k3)"
+    )
+    def test_generation_tester_mixin_inheritance(self):
+        pass
+
+    def test_attention_outputs(self):
+        text = self.model_tester.get_config().get_text_config()
+        check_attention_outputs(self, text.layer_types.count("full_attention"), text.num_attention_heads)
+
+    @unittest.skip(LOAD_ONLY_CONVERSION)  # (kimi_k25 runs it with skip_base_model=True)
+    def test_reverse_loading_mapping(self):
+        pass
 
 
-@xfail_tests(XFAIL_TEXT)
-class KimiHybridTextCommonTest(
-    _Common,
-    ModelTesterMixin,
-    TensorParallelTesterMixin,
-    ExpertParallelTesterMixin,
-    TrainingTesterMixin,
-    unittest.TestCase,
-):
-    model_tester_class = KimiHybridTextModelTester
-    all_model_classes = (KimiHybridTextModel, KimiHybridForCausalLM)
-    # transformers' test_torch_compile_for_training: torch.compile(fullgraph=True) forward and backward match eager
-    _torch_compile_train_cls = KimiHybridForCausalLM
+class _TextCommon(_Common):
+    """What the text test classes share."""
 
     def test_torch_compile_for_training(self):
         """transformers marks it @slow and @require_torch_accelerator; on CPU it is the check that
         `_can_compile_fullgraph = True` is honest for training (fullgraph forward + backward = eager), so it runs."""
         inspect.unwrap(ModelTesterMixin.test_torch_compile_for_training)(self)
 
-    def setUp(self):
-        self.model_tester = self.model_tester_class(self)
-        self.config_tester = ConfigTester(self, config_class=KimiHybridTextConfig)
-
     # transformers runs its distributed TP / EP tests (2 CPU processes on gloo, about 7 s each on 2 cores) for an
-    # allowlist of model types, to bound its CI's cost; for our text model they run once it has the plans
-    # (`base_model_tp_plan` / `base_model_ep_plan`). The multimodal class keeps the allowlist: its TP path is this
-    # decoder's plan under a prefix, and 13 more distributed tests would cost another 1.5 minutes.
+    # allowlist of model types, to bound its CI's cost; for our text models they run (they have the plans:
+    # `base_model_tp_plan` / `base_model_ep_plan`). The hybrid multimodal class keeps the allowlist: its TP path is
+    # this decoder's plan under a prefix, and 13 more distributed tests would cost another 1.5 minutes.
     def _skip_if_tp_distributed_not_enabled(self):
         pass
 
     def _skip_if_ep_distributed_not_enabled(self):
         pass
 
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_model(self):
-        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
-
-    @unittest.skip(
-        "transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
-        "class cannot inherit it; generate is tested in test_modeling.py"
-    )
-    def test_generation_tester_mixin_inheritance(self):
-        pass
-
-    def test_attention_outputs(self):
-        check_attention_outputs(self, TEXT["layer_types"].count("full_attention"), TEXT["num_attention_heads"])
-
-    @unittest.skip(LOAD_ONLY_CONVERSION)
-    def test_reverse_loading_mapping(self):
-        pass
-
     def test_linear_attention_multi_token_cached_forward_matches_single_token(self):
         """kimi_linear's extra test, on ours: a token's output is the same fed alone after a prefill as fed first
         of a multi-token chunk after the same prefill (chunked vs recurrent KDA against each other)."""
         config, _ = self.model_tester.prepare_config_and_inputs_for_common()
-        model = KimiHybridTextModel._from_config(config, attn_implementation="eager").to(torch_device).eval()
+        model = self.model_tester.base_model_class._from_config(config, attn_implementation="eager")
+        model = model.to(torch_device).eval()
         prompt = ids_tensor((1, 8), config.vocab_size)
         next_token = ids_tensor((1, 1), config.vocab_size)
         distractors = ids_tensor((1, 7), config.vocab_size)
@@ -347,6 +322,37 @@ class KimiHybridTextCommonTest(
                 input_ids=torch.cat([next_token, distractors], 1), past_key_values=multi, use_cache=True
             ).last_hidden_state[:, 0]
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+# The common tests we fail on purpose, with why.
+PLACEHOLDERS_NEED_PIXELS = (
+    "KimiHybridModel.embed raises 'image placeholder tokens but no pixel_values' for the input_ids-only batch "
+    "this test feeds (transformers' VLMs, kimi_k25 included, embed placeholders as text then): deliberate, a "
+    "prompt whose images were forgotten must not run as text (test_modeling_multimodal.py tests the error)"
+)
+XFAIL_TEXT = {}
+
+
+@xfail_tests(XFAIL_TEXT)
+class KimiHybridTextCommonTest(
+    _TextCommon,
+    ModelTesterMixin,
+    TensorParallelTesterMixin,
+    ExpertParallelTesterMixin,
+    TrainingTesterMixin,
+    unittest.TestCase,
+):
+    model_tester_class = KimiHybridTextModelTester
+    all_model_classes = (KimiHybridTextModel, KimiHybridForCausalLM)
+    # transformers' test_torch_compile_for_training: torch.compile(fullgraph=True) forward and backward match eager
+    _torch_compile_train_cls = KimiHybridForCausalLM
+
+    def setUp(self):
+        self.model_tester = self.model_tester_class(self)
+        self.config_tester = ConfigTester(self, config_class=KimiHybridTextConfig)
+
+    def test_model(self):
+        self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -436,20 +442,3 @@ class KimiHybridMultimodalCommonTest(
     def setUp(self):
         self.model_tester = self.model_tester_class(self)
         self.config_tester = ConfigTester(self, config_class=KimiHybridConfig, has_text_modality=False)
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    @unittest.skip(
-        "transformers' GenerationTesterMixin (tests/generation/test_utils.py) is not in the sdist, so this "
-        "class cannot inherit it; generate is tested in test_modeling_multimodal.py"
-    )
-    def test_generation_tester_mixin_inheritance(self):
-        pass
-
-    def test_attention_outputs(self):
-        check_attention_outputs(self, TEXT["layer_types"].count("full_attention"), TEXT["num_attention_heads"])
-
-    @unittest.skip(LOAD_ONLY_CONVERSION)  # (kimi_k25 runs it with skip_base_model=True)
-    def test_reverse_loading_mapping(self):
-        pass

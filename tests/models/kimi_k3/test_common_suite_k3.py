@@ -11,13 +11,9 @@ patchmergerv2 projector, built from the released config.json spelling (release_f
 """
 
 import copy
-import inspect
 import unittest
 
-import torch
-
 from kimi_hf import (
-    KimiHybridCache,
     KimiK3Config,
     KimiK3ForCausalLM,
     KimiK3ForConditionalGeneration,
@@ -27,7 +23,6 @@ from kimi_hf import (
 )
 
 from ..kimi_hybrid.test_common_suite import (  # the shared machinery and testers (not the hybrid test classes)
-    LOAD_ONLY_CONVERSION,
     PLACEHOLDERS_NEED_PIXELS,
     ConfigTester,
     ExpertParallelTesterMixin,
@@ -38,9 +33,7 @@ from ..kimi_hybrid.test_common_suite import (  # the shared machinery and tester
     TrainingTesterMixin,
     _Common,
     _our_auto_class_names,  # noqa: F401  (an autouse fixture: the Auto tables know our model types here too)
-    check_attention_outputs,
-    ids_tensor,
-    torch_device,
+    _TextCommon,
     xfail_tests,
 )
 from .release_format import tiny_k3_config
@@ -118,7 +111,7 @@ XFAIL_TEXT = {}
 
 @xfail_tests(XFAIL_TEXT)
 class KimiK3TextCommonTest(
-    _Common,
+    _TextCommon,
     ModelTesterMixin,
     TensorParallelTesterMixin,
     ExpertParallelTesterMixin,
@@ -132,44 +125,6 @@ class KimiK3TextCommonTest(
     def setUp(self):
         self.model_tester = self.model_tester_class(self)
         self.config_tester = ConfigTester(self, config_class=KimiK3TextConfig, **TEXT_CONFIG_FIELDS)
-
-    def _skip_if_tp_distributed_not_enabled(self):  # as the hybrid text model: the plans are there, run them
-        pass
-
-    def _skip_if_ep_distributed_not_enabled(self):
-        pass
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    def test_torch_compile_for_training(self):
-        """Run on CPU, as for the hybrid text model (transformers marks it @slow and accelerator-only)."""
-        inspect.unwrap(ModelTesterMixin.test_torch_compile_for_training)(self)
-
-    @unittest.skip("transformers' GenerationTesterMixin is not in the sdist; K3 generate: test_modeling_k3.py")
-    def test_generation_tester_mixin_inheritance(self):
-        pass
-
-    def test_attention_outputs(self):
-        check_attention_outputs(self, LAYER_TYPES.count("full_attention"), self.model_tester.num_attention_heads)
-
-    @unittest.skip(LOAD_ONLY_CONVERSION)
-    def test_reverse_loading_mapping(self):
-        pass
-
-    def test_linear_attention_multi_token_cached_forward_matches_single_token(self):
-        config = self.model_tester.get_config()
-        model = KimiK3TextModel._from_config(config, attn_implementation="eager").to(torch_device).eval()
-        prompt, token = ids_tensor((1, 8), config.vocab_size), ids_tensor((1, 1), config.vocab_size)
-        with torch.no_grad():
-            single = KimiHybridCache(config=config)
-            model(input_ids=prompt, past_key_values=single, use_cache=True)
-            ref = model(input_ids=token, past_key_values=single, use_cache=True).last_hidden_state[:, 0]
-            multi = KimiHybridCache(config=config)
-            model(input_ids=prompt, past_key_values=multi, use_cache=True)
-            more = torch.cat([token, ids_tensor((1, 7), config.vocab_size)], 1)
-            got = model(input_ids=more, past_key_values=multi, use_cache=True).last_hidden_state[:, 0]
-        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 class KimiK3VLMTester(KimiHybridVLMTester):
@@ -219,17 +174,3 @@ class KimiK3MultimodalCommonTest(
     # (0-2: K3 as released) here. Each is two gloo processes, ~15 s on 2 cores.
     _TIED = unittest.skip("tied embeddings: KimiK3TextCommonTest runs this variant")(lambda self: None)
     test_ep_forward_3 = test_ep_forward_4 = test_ep_forward_5 = _TIED
-
-    def test_config(self):
-        self.config_tester.run_common_tests()
-
-    @unittest.skip("transformers' GenerationTesterMixin is not in the sdist; K3 generate: test_modeling_k3.py")
-    def test_generation_tester_mixin_inheritance(self):
-        pass
-
-    def test_attention_outputs(self):
-        check_attention_outputs(self, LAYER_TYPES.count("full_attention"), self.model_tester.num_attention_heads)
-
-    @unittest.skip(LOAD_ONLY_CONVERSION)
-    def test_reverse_loading_mapping(self):
-        pass

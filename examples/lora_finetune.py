@@ -95,7 +95,8 @@ def lora_targets(model) -> list[str]:
 
 def accuracy(model, processor, rows) -> float:
     model.eval()
-    replies = generate_replies(model, processor, [r["messages"][:1] for r in rows], max_new_tokens=4)
+    # replies stop at the end of the turn; K3's open with `<|close|>think<|sep|><|open|>response<|sep|>` (4 tokens)
+    replies = generate_replies(model, processor, [r["messages"][:1] for r in rows], max_new_tokens=16)
     return sum(a == r["messages"][1]["content"] for a, r in zip(replies, rows)) / len(rows)
 
 

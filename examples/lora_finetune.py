@@ -87,7 +87,7 @@ def load_base(model_dir: str | None, rows, out: str):
 def lora_targets(model) -> list[str]:
     """The package's recommended LoRA targets: K3's (its q LoRA chain and LatentMoE bridges too) for a K3 model."""
     if isinstance(model.config, (kimi_hf.KimiK3Config, kimi_hf.KimiK3TextConfig)):
-        from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+        from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
         return K3_LORA_TARGET_MODULES
     return kimi_hf.LORA_TARGET_MODULES

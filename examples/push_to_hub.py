@@ -19,7 +19,7 @@ import tempfile
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
-from kimi_hf.models.kimi_hybrid.hub_kimi_hybrid import upload
+from kimi_hf.models.hub_kimi import upload
 
 
 def load(model_dir: str):

@@ -52,28 +52,29 @@ __all__ = [
 
 def _register() -> None:
     """Imports the models into this module and registers them with transformers' Auto classes, from the one
-    table (`hub_kimi_hybrid.AUTO_MAPS`) that saved folders' auto_map entries also come from."""
+    table (`hub_kimi.AUTO_MAPS`) that saved folders' auto_map entries also come from."""
     import importlib
 
     import transformers
 
     from . import ops
-    from .models.kimi_hybrid import hub_kimi_hybrid
+    from .models import hub_kimi
     from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
     from .models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES, KimiHybridPreTrainedModel
 
-    package = hub_kimi_hybrid.__name__.rpartition(".")[0]
+    models = hub_kimi.__name__.rpartition(".")[0]
     found = {
         "ops": ops,
         "KimiHybridCache": KimiHybridCache,
         "LORA_TARGET_MODULES": LORA_TARGET_MODULES,
         "KimiHybridPreTrainedModel": KimiHybridPreTrainedModel,
     }
-    for entries in hub_kimi_hybrid.AUTO_MAPS.values():
+    for entries in hub_kimi.AUTO_MAPS.values():
         classes = {}
         for auto, ref in entries.items():
             module, _, name = ref.partition(".")
-            classes[auto] = found[name] = getattr(importlib.import_module(f"{package}.{module}"), name)
+            folder = _os.path.basename(_os.path.dirname(hub_kimi.module_file(module)))  # kimi_hybrid, kimi_k3
+            classes[auto] = found[name] = getattr(importlib.import_module(f"{models}.{folder}.{module}"), name)
         config = classes.pop("AutoConfig")
         transformers.AutoConfig.register(config.model_type, config, exist_ok=True)
         for auto, cls in classes.items():
@@ -81,7 +82,7 @@ def _register() -> None:
                 transformers.AutoImageProcessor.register(config, image_processor_classes={"pil": cls}, exist_ok=True)
             else:
                 getattr(transformers, auto).register(config, cls, exist_ok=True)
-            if auto in hub_kimi_hybrid.PROCESSOR_AUTO_CLASSES:
+            if auto in hub_kimi.PROCESSOR_AUTO_CLASSES:
                 cls.register_for_auto_class(auto)  # saved processors carry auto_map and their code file
     globals().update({name: found[name] for name in __all__ if name in found})
 

@@ -6,7 +6,7 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
-from .models.kimi_hybrid.chat_template_kimi_k3 import has_k3_markup, parse_k3_reply
+from .models.kimi_k3.chat_template_kimi_k3 import has_k3_markup, parse_k3_reply
 
 
 @torch.no_grad()

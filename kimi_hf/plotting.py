@@ -10,7 +10,7 @@ import os
 from PIL import Image, ImageDraw
 from transformers import TrainerCallback
 
-from .models.kimi_hybrid.hub_kimi_hybrid import atomic_write
+from .atomic_io import atomic_write
 
 
 class LossHistory(TrainerCallback):

@@ -122,7 +122,7 @@ def small_k3_model(tokenizer, size: str = "small", image_size: int = 84):
     markup="k3")): the K3 architecture of `small_k3_config` (safe-gate KDA 3 : 1 gated MLA, SiTU LatentMoE,
     K3 Block AttnRes, the K3 MoonViT3d tower, two blocks) at that size; eos <|end_of_msg|>."""
     from . import KimiK3ForConditionalGeneration
-    from .models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, MEDIA_PAD
+    from .models.kimi_k3.chat_template_kimi_k3 import K3_STOP_TOKEN, MEDIA_PAD
 
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
@@ -245,7 +245,7 @@ def markup_text(conversations: list[list[dict]], chat_template_kwargs: dict) -> 
 
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from .models.kimi_hybrid.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, MEDIA_TOKENS, XTML_TOKENS
+    from .models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, MEDIA_TOKENS, XTML_TOKENS
 
     rendered, _ = render_jinja_template(conversations, chat_template=K3_CHAT_TEMPLATE, **chat_template_kwargs)
     split = re.compile("|".join(re.escape(t) for t in XTML_TOKENS + MEDIA_TOKENS))

@@ -8,7 +8,7 @@ path); this launcher exposes our classes to its loader, then runs the stock serv
 replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's or K3's).
 
 It serves every model type the package registers a generation class for (`served_model_types()`, read off
-the one Auto-class table, hub_kimi_hybrid.AUTO_MAPS): the text models (AutoModelForCausalLM: kimi_hybrid_text,
+the one Auto-class table, hub_kimi.AUTO_MAPS): the text models (AutoModelForCausalLM: kimi_hybrid_text,
 kimi_k3_text) and the image-text ones (AutoModelForImageTextToText: kimi_hybrid, kimi_k3, Moonshot's released
 K3 folders included).
 
@@ -29,8 +29,8 @@ GENERATION_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText"
 def served_model_types() -> dict[str, dict[str, str]]:
     """model_type -> its AUTO_MAPS entries, for the model types with a generation class (AutoModelForCausalLM):
     the ones `kimi-hf serve` serves; those with AutoModelForImageTextToText too are image-text models. Read off
-    the package's one Auto-class table (hub_kimi_hybrid imports only the standard library: no torch here)."""
-    from .models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+    the package's one Auto-class table (hub_kimi imports only the standard library: no torch here)."""
+    from .models.hub_kimi import AUTO_MAPS
 
     return {model_type: entries for model_type, entries in AUTO_MAPS.items() if "AutoModelForCausalLM" in entries}
 
@@ -136,7 +136,7 @@ def check_model_dir(model: str) -> None:
         raise ValueError(f"{config} is not a readable JSON config ({e})") from e
     served = served_model_types()
     if model_type not in served:
-        from .models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+        from .models.hub_kimi import AUTO_MAPS
 
         what = (
             "a part of this package's models without a generation head"

@@ -20,8 +20,8 @@ from .models.kimi_hybrid.chat_markup_kimi_hybrid import (
     RESPONSE_TEMPLATE,
     TOOL_TOKENS,
 )
-from .models.kimi_hybrid.chat_template_kimi_k3 import CLOSE, END_OF_MSG, OPEN, SEP, use_k3_chat_markup
-from .models.kimi_hybrid.chat_template_kimi_k3 import MEDIA_TOKENS as K3_MEDIA_TOKENS
+from .models.kimi_k3.chat_template_kimi_k3 import CLOSE, END_OF_MSG, OPEN, SEP, use_k3_chat_markup
+from .models.kimi_k3.chat_template_kimi_k3 import MEDIA_TOKENS as K3_MEDIA_TOKENS
 
 
 BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"

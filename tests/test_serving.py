@@ -26,8 +26,8 @@ from transformers import GenerationConfig
 
 from kimi_hf import KimiHybridForCausalLM, KimiK3ImageProcessor, KimiK3Processor
 from kimi_hf.chat import chat_stop_token_ids
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import render_k3_reply
-from kimi_hf.models.kimi_hybrid.hub_kimi_hybrid import AUTO_MAPS
+from kimi_hf.models.hub_kimi import AUTO_MAPS
+from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import render_k3_reply
 from kimi_hf.quickstart import markup_text, small_k3_model, small_multimodal_model
 from kimi_hf.scenes import render_scene
 from kimi_hf.tokenization import train_tokenizer

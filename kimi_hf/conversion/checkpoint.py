@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..models.kimi_hybrid.hub_kimi_hybrid import make_temp_dir, set_normal_mode
+from ..atomic_io import make_temp_dir, set_normal_mode
 from .safetensors_stream import INDEX, parse_size, shard_names  # noqa: F401  (parse_size: imported from here too)
 
 

@@ -197,7 +197,7 @@ def convert_k3(
 
     import torch
 
-    from ..models.kimi_hybrid.hub_kimi_hybrid import atomic_write, make_temp_dir
+    from ..atomic_io import atomic_write, make_temp_dir
 
     if sys.byteorder != "little":
         raise OSError(
@@ -298,7 +298,7 @@ def _dequantize(out: OutputTensor, packed, scale, src: str):
     tensor: a converter must not write inf or NaN weights."""
     import torch
 
-    from ..models.kimi_hybrid.mxfp4_kimi_hybrid import dequantize_mxfp4
+    from ..models.kimi_k3.mxfp4_kimi_k3 import dequantize_mxfp4
 
     where = f"{out.scale.name} (in {os.path.join(src, out.scale.file)})"
     top = int(scale.max()) if scale.numel() else 0

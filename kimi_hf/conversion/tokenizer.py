@@ -43,9 +43,9 @@ import os
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from ..atomic_io import atomic_write
 from ..models.kimi_hybrid.chat_markup_kimi_hybrid import chat_stop_token_ids  # K3: <|end_of_msg|>, [EOS]
-from ..models.kimi_hybrid.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, use_k3_chat_markup
-from ..models.kimi_hybrid.hub_kimi_hybrid import atomic_write
+from ..models.kimi_k3.chat_template_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS, use_k3_chat_markup
 
 
 # TikTokenTokenizer.pat_str of Kimi's tokenization_kimi.py (Han runs apart; case-aware words)

@@ -1,1 +1,2 @@
-"""Model families. Each subfolder is flat and Hub-copyable (see models/kimi_hybrid)."""
+"""Model families, a folder each: kimi_hybrid (Kimi Linear + early fusion), kimi_k3 (Kimi K3 as released).
+hub_kimi.py saves a model's code as one flat folder (the import closure of its auto_map modules)."""

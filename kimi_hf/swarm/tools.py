@@ -27,7 +27,7 @@ from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (
     TOOL_CALLS_BEGIN,
     TOOL_CALLS_END,
 )
-from ..models.kimi_hybrid.chat_template_kimi_k3 import CLOSE, OPEN, parse_k3_reply, render_k3_reply
+from ..models.kimi_k3.chat_template_kimi_k3 import CLOSE, OPEN, parse_k3_reply, render_k3_reply
 
 
 CREATE_SUBAGENT = {

@@ -22,7 +22,7 @@ from kimi_hf.conversion.tokenizer import (
     tiktoken_to_fast,
     tokenizer_family,
 )
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, K3_RESPONSE_TEMPLATE
+from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, K3_RESPONSE_TEMPLATE
 
 from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F401  (fixture)
 

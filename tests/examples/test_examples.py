@@ -202,7 +202,7 @@ def test_lora_finetune_kimi_k3(tmp_path):
     import torch
 
     import kimi_hf
-    from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+    from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
     from kimi_hf.quickstart import small_k3_model
     from kimi_hf.tokenization import train_tokenizer
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kimi_hf.models.kimi_hybrid.kda as kda_mod
+import kimi_hf.ops.kda as kda_mod
 from kimi_hf.ops import chunk_kda, l2norm, naive_recurrent_kda, recurrent_kda
 
 

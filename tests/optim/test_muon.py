@@ -212,7 +212,7 @@ K3_ROLES = [
 
 def test_k3_parameter_roles_match_the_table():
     from kimi_hf import KimiK3ForConditionalGeneration
-    from kimi_hf.models.kimi_hybrid.configuration_kimi_k3 import KimiK3Config
+    from kimi_hf.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
 
     model = KimiK3ForConditionalGeneration(KimiK3Config(**tiny_k3_config()))
     expected = {}

@@ -6,7 +6,7 @@ tokenizer stops at <|end_of_msg|>."""
 import pytest
 
 from kimi_hf.conversion.tokenizer import tiktoken_to_fast
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import use_k3_chat_markup
+from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import use_k3_chat_markup
 from kimi_hf.swarm import (
     ORCHESTRATOR_TOOLS,
     ScriptedBackend,

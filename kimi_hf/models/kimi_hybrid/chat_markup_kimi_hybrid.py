@@ -11,7 +11,7 @@ import os
 
 from transformers import GenerationConfig
 
-from .chat_template_kimi_k3 import has_k3_markup, k3_stop_token_ids
+from ..kimi_k3.chat_template_kimi_k3 import has_k3_markup, k3_stop_token_ids
 
 
 SYSTEM, USER, ASSISTANT, MIDDLE = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>"

@@ -50,8 +50,6 @@ from transformers.core_model_loading import (
 
 
 REGISTERED_CLASS = "KimiHybridTextModel"
-# only the root class: a nested KimiK3Model with its own registration would apply the transforms twice
-K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration", "KimiK3Model")
 
 
 class _NoReverse(WeightRenaming):
@@ -211,79 +209,6 @@ class FitALog(ConversionOps):
         raise NotImplementedError("FitALog is load-only")
 
 
-def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
-    """transformers' loader casts every checkpoint tensor to its target parameter's dtype before the conversion
-    ops run; uint8 values survive any float cast exactly (0..255 are exact even in bf16), so they are cast back."""
-    if t.dtype == torch.uint8 or not t.is_floating_point():
-        return t
-    back = t.to(torch.uint8)
-    if not torch.equal(back.to(t.dtype), t):
-        raise ValueError(f"{name}: MXFP4 tensors must hold uint8 values, got non-byte {t.dtype} values")
-    return back
-
-
-class DequantizeMxfp4(ConversionOps):
-    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts
-    tensor, losslessly, in one pass: each expert's `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale`
-    [out, in/32] is decoded straight into its slice of the target [E, sum of outs, in] (w1 rows then w3 rows for
-    gate_up_proj, as the source patterns are ordered; w2 alone for down_proj), so one layer's experts exist once
-    in the model's dtype while they load (no stacked copy, no concatenation copy)."""
-
-    @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        from .mxfp4_kimi_hybrid import dequantize_mxfp4
-
-        dtype = torch.bfloat16
-        if model is not None and full_layer_name is not None:
-            try:
-                dtype = model.get_parameter(full_layer_name).dtype
-            except AttributeError:
-                pass
-        parts = []  # (pattern, packed list, scale list)
-        for pattern in source_patterns:
-            if not pattern.endswith("weight_packed"):
-                continue
-            packed = input_dict.pop(pattern, None)
-            scales = input_dict.pop(pattern.replace("weight_packed", "weight_scale"), None)
-            if packed is None or scales is None:
-                raise ValueError(f"{full_layer_name}: {pattern} and its weight_scale must both be in the checkpoint")
-            packed = packed if isinstance(packed, list) else [packed]
-            scales = scales if isinstance(scales, list) else [scales]
-            if len(scales) != len(packed):
-                raise ValueError(
-                    f"{full_layer_name}: {len(packed)} {pattern} tensors but {len(scales)} weight_scale tensors"
-                )
-            parts.append((pattern, packed, scales))
-        if input_dict:
-            raise ValueError(f"{full_layer_name}: unexpected tensors beside the MXFP4 experts: {list(input_dict)}")
-        experts = {len(packed) for _, packed, _ in parts}
-        if len(experts) != 1:
-            raise ValueError(
-                f"{full_layer_name}: the MXFP4 tensors disagree on the number of experts: {sorted(experts)}"
-            )
-        E = experts.pop()
-        rows = [packed[0].shape[-2] for _, packed, _ in parts]
-        cols = {2 * packed[0].shape[-1] for _, packed, _ in parts}
-        if len(cols) != 1:
-            raise ValueError(f"{full_layer_name}: the MXFP4 tensors disagree on the input width: {sorted(cols)}")
-        out = torch.empty(E, sum(rows), cols.pop(), dtype=dtype, device=parts[0][1][0].device)
-        start = 0
-        for (pattern, packed, scales), n in zip(parts, rows):
-            name = f"{full_layer_name} ({pattern})"
-            for e in range(E):
-                p, s = _as_bytes(packed[e], name), _as_bytes(scales[e], name)
-                if p.shape[-2] != n:
-                    raise ValueError(f"{name}[{e}]: {p.shape[-2]} rows, expert 0 has {n}")
-                out[e, start : start + n] = dequantize_mxfp4(p, s, dtype=dtype, name=f"{name}[{e}]")
-                packed[e] = scales[e] = None  # the source bytes go as soon as they are decoded
-            start += n
-        return {target_patterns[0]: out}
-
-    @property
-    def reverse_op(self):
-        raise NotImplementedError("DequantizeMxfp4 is load-only (save_pretrained of a K3 model re-packs)")
-
-
 def kimi_linear_mapping() -> list:
     """The transforms, in transformers' order: every renaming first, then at most one converter per key."""
     return [
@@ -314,72 +239,38 @@ def kimi_linear_mapping() -> list:
     ]
 
 
-def k3_mapping() -> list:
-    """Kimi K3's released layout -> KimiK3ForConditionalGeneration (K3.md-style names on the left):
+def moonvit_key_mapping() -> list[tuple[str, str]]:
+    """Kimi K3's released vision-tower tensor names -> this tower's parameter names, as (regex source, target)
+    pairs relative to the tower's root (the release's `vision_tower.`; ours `vision_tower.` inside the
+    multimodal model, e.g. `model.vision_tower.`), for a tower built with rope_type "interleaved_2d"
+    (KimiK3VisionConfig):
 
-        language_model.model.*            -> model.language_model.*       language_model.lm_head.* -> lm_head.*
-        vision_tower.* / mm_projector.*   -> model.vision_tower.* (renames of k3_vision_key_mapping) / model.mm_projector.*
-        *.self_attention_res_{norm,proj}  -> *.attn_res.{key_norm.weight, query}  ([1, d] proj -> [d] query)
-        *.mlp_res_{norm,proj}             -> *.mlp_res.*;   output_attn_res_* -> final_res.*
-        block_sparse_moe.experts.{e}.w1/w3/w2 (.weight_packed + .weight_scale MXFP4, or bf16 .weight)
-                                          -> mlp.experts.gate_up_proj [E, 2I, latent] / down_proj [E, latent, I]
-        self_attn.A_log [head_dim], zero-padded -> [H]
-    plus Kimi Linear's other transforms (block_sparse_moe -> mlp)."""
-    from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
+        patch_embed.proj.weight         [C, 3, p, p]     the same name (no entry)
+        patch_embed.pos_emb.weight      [H, W, C]        -> patch_embed.pos_emb.position_embeddings
+        encoder.blocks.{i}.norm0.*      [C]              -> layers.{i}.norm1.*
+        encoder.blocks.{i}.norm1.*      [C]              -> layers.{i}.norm2.*
+        encoder.blocks.{i}.wqkv.*       [3 qkv, C]       -> layers.{i}.attn.qkv_proj.*
+        encoder.blocks.{i}.wo.*         [C, qkv]         -> layers.{i}.attn.proj.*
+        encoder.blocks.{i}.mlp.fc0.*    [I, C]           -> layers.{i}.mlp.fc1.*
+        encoder.blocks.{i}.mlp.fc1.*    [C, I]           -> layers.{i}.mlp.fc2.*
+        encoder.final_layernorm.*       [C]              -> final_layernorm.*
 
-    vision = [
-        LoadOnlyRenaming(
-            source_patterns=r"^vision_tower\." + src.removeprefix("^"), target_patterns="model.vision_tower." + tgt
-        )
-        for src, tgt in k3_vision_key_mapping()
-    ]
-    res = []
-    for released, ours in (
-        ("self_attention_res", "attn_res"),
-        ("mlp_res", "mlp_res"),
-        ("output_attn_res", "final_res"),
-    ):
-        res.append(
-            LoadOnlyRenaming(
-                source_patterns=rf"\.{released}_norm\.weight$", target_patterns=f".{ours}.key_norm.weight"
-            )
-        )
-        res.append(LoadOnlyRenaming(source_patterns=rf"\.{released}_proj\.weight$", target_patterns=f".{ours}.query"))
-    linear = kimi_linear_mapping()
-    renames = [t for t in linear if isinstance(t, WeightRenaming)]
-    converters = [t for t in linear if not isinstance(t, WeightRenaming)]
-    mxfp4 = [
-        LoadOnlyConverter(
-            source_patterns=[
-                "mlp.experts.*.w1.weight_packed",
-                "mlp.experts.*.w1.weight_scale",
-                "mlp.experts.*.w3.weight_packed",
-                "mlp.experts.*.w3.weight_scale",
-            ],
-            target_patterns="mlp.experts.gate_up_proj",
-            operations=[DequantizeMxfp4()],
-        ),
-        LoadOnlyConverter(
-            source_patterns=["mlp.experts.*.w2.weight_packed", "mlp.experts.*.w2.weight_scale"],
-            target_patterns="mlp.experts.down_proj",
-            operations=[DequantizeMxfp4()],
-        ),
-    ]
-    query = [
-        LoadOnlyConverter(source_patterns=rf"{ours}\.query", target_patterns=f"{ours}.query", operations=[Flatten()])
-        for ours in ("attn_res", "mlp_res", "final_res")
-    ]
+    Every tensor is a pure rename (no split, no row permutation: the interleaved RoPE reads wqkv's q/k rows in
+    their released order), so the reverse pairs write the released names back on save. The projector
+    (`mm_projector.` in the release) needs no entry: KimiHybridMultimodalProjectorV2's parameters are named
+    proj.0.weight, proj.2.weight and post_norm.weight as released. Sources are anchored (`^`) and no target
+    matches another source, so applying the pairs one after another (transformers' WeightRenaming does) renames
+    each key once; the non-persistent buffers (time embedding, freqs_cis) are not stored in either layout."""
+    block = r"^encoder\.blocks\.(\d+)\."
     return [
-        *vision,
-        LoadOnlyRenaming(source_patterns=r"^vision_tower\.", target_patterns="model.vision_tower."),
-        LoadOnlyRenaming(source_patterns=r"^mm_projector\.", target_patterns="model.mm_projector."),
-        LoadOnlyRenaming(source_patterns=r"^language_model\.model\.", target_patterns="model.language_model."),
-        LoadOnlyRenaming(source_patterns=r"^language_model\.lm_head\.", target_patterns="lm_head."),
-        *res,
-        *renames,
-        *query,
-        *mxfp4,
-        *converters,
+        (r"^patch_embed\.pos_emb\.weight", "patch_embed.pos_emb.position_embeddings"),
+        (block + r"norm0\.", r"layers.\1.norm1."),
+        (block + r"norm1\.", r"layers.\1.norm2."),
+        (block + r"wqkv\.", r"layers.\1.attn.qkv_proj."),
+        (block + r"wo\.", r"layers.\1.attn.proj."),
+        (block + r"mlp\.fc0\.", r"layers.\1.mlp.fc1."),
+        (block + r"mlp\.fc1\.", r"layers.\1.mlp.fc2."),
+        (r"^encoder\.final_layernorm\.", "final_layernorm."),
     ]
 
 
@@ -388,23 +279,14 @@ def register() -> None:
     register_checkpoint_conversion_mapping(REGISTERED_CLASS, kimi_linear_mapping(), overwrite=True)
 
 
-def register_k3() -> None:
-    """Registers K3's mapping for its multimodal classes (called by modeling_kimi_k3 at import)."""
-    for name in K3_REGISTERED_CLASSES:
-        register_checkpoint_conversion_mapping(name, k3_mapping(), overwrite=True)
-
-
 __all__ = [
     "REGISTERED_CLASS",
-    "K3_REGISTERED_CLASSES",
     "ChunkStacked",
-    "DequantizeMxfp4",
     "FitALog",
     "Flatten",
     "LoadOnlyConverter",
     "LoadOnlyRenaming",
-    "k3_mapping",
     "kimi_linear_mapping",
+    "moonvit_key_mapping",
     "register",
-    "register_k3",
 ]

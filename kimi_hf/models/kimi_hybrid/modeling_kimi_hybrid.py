@@ -33,12 +33,12 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from ...ops.depth_attention import depth_attention, depth_attention_weights
+from ...ops.kda import chunk_kda, recurrent_kda
+from ..hub_kimi import RemoteCodeMixin
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
-from .depth_attention import depth_attention, depth_attention_weights
-from .hub_kimi_hybrid import RemoteCodeMixin
-from .kda import chunk_kda, recurrent_kda
 
 
 # from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,

@@ -19,8 +19,8 @@ from transformers.modeling_utils import PreTrainedModel
 from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs, can_return_tuple
 
+from ..hub_kimi import RemoteCodeMixin
 from .configuration_kimi_hybrid import KimiHybridConfig
-from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, check_parallel_layout, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 

@@ -6,7 +6,7 @@ Images arrive as one flat sequence of patches at native resolution: pixel_values
 grid_thw [num_images, 3] = (t, h, w) per image (t frames of h x w patches, raster order). Each image
 attends only to itself. Output: per merged kh x kw group of patches, one text-sized embedding.
 
-Kimi K3 checkpoints load by renames only (`k3_vision_key_mapping`): with rope_type "interleaved_2d" the attention
+Kimi K3 checkpoints load by renames only (`moonvit_key_mapping`): with rope_type "interleaved_2d" the attention
 holds Moonshot's fused `wqkv` as `qkv_proj`, whose q/k rows the interleaved RoPE reads in their released order.
 """
 
@@ -22,8 +22,8 @@ from transformers.processing_utils import Unpack
 from transformers.utils import TransformersKwargs
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from ..hub_kimi import RemoteCodeMixin
 from .configuration_kimi_hybrid_vision import KimiHybridVisionConfig
-from .hub_kimi_hybrid import RemoteCodeMixin
 from .modeling_kimi_hybrid import eager_attention_forward
 
 
@@ -397,46 +397,10 @@ def build_multimodal_projector(
     return cls(vision_config.hidden_size, kh * kw, text_hidden_size, eps)
 
 
-def k3_vision_key_mapping() -> list[tuple[str, str]]:
-    """Kimi K3's released vision-tower tensor names -> this tower's parameter names, as (regex source, target)
-    pairs relative to the tower's root (the release's `vision_tower.`; ours `vision_tower.` inside the
-    multimodal model, e.g. `model.vision_tower.`), for a tower built with rope_type "interleaved_2d"
-    (KimiK3VisionConfig):
-
-        patch_embed.proj.weight         [C, 3, p, p]     the same name (no entry)
-        patch_embed.pos_emb.weight      [H, W, C]        -> patch_embed.pos_emb.position_embeddings
-        encoder.blocks.{i}.norm0.*      [C]              -> layers.{i}.norm1.*
-        encoder.blocks.{i}.norm1.*      [C]              -> layers.{i}.norm2.*
-        encoder.blocks.{i}.wqkv.*       [3 qkv, C]       -> layers.{i}.attn.qkv_proj.*
-        encoder.blocks.{i}.wo.*         [C, qkv]         -> layers.{i}.attn.proj.*
-        encoder.blocks.{i}.mlp.fc0.*    [I, C]           -> layers.{i}.mlp.fc1.*
-        encoder.blocks.{i}.mlp.fc1.*    [C, I]           -> layers.{i}.mlp.fc2.*
-        encoder.final_layernorm.*       [C]              -> final_layernorm.*
-
-    Every tensor is a pure rename (no split, no row permutation: the interleaved RoPE reads wqkv's q/k rows in
-    their released order), so the reverse pairs write the released names back on save. The projector
-    (`mm_projector.` in the release) needs no entry: KimiHybridMultimodalProjectorV2's parameters are named
-    proj.0.weight, proj.2.weight and post_norm.weight as released. Sources are anchored (`^`) and no target
-    matches another source, so applying the pairs one after another (transformers' WeightRenaming does) renames
-    each key once; the non-persistent buffers (time embedding, freqs_cis) are not stored in either layout."""
-    block = r"^encoder\.blocks\.(\d+)\."
-    return [
-        (r"^patch_embed\.pos_emb\.weight", "patch_embed.pos_emb.position_embeddings"),
-        (block + r"norm0\.", r"layers.\1.norm1."),
-        (block + r"norm1\.", r"layers.\1.norm2."),
-        (block + r"wqkv\.", r"layers.\1.attn.qkv_proj."),
-        (block + r"wo\.", r"layers.\1.attn.proj."),
-        (block + r"mlp\.fc0\.", r"layers.\1.mlp.fc1."),
-        (block + r"mlp\.fc1\.", r"layers.\1.mlp.fc2."),
-        (r"^encoder\.final_layernorm\.", "final_layernorm."),
-    ]
-
-
 __all__ = [
     "KimiHybridVisionModel",
     "KimiHybridVisionPreTrainedModel",
     "KimiHybridMultimodalProjector",
     "KimiHybridMultimodalProjectorV2",
     "build_multimodal_projector",
-    "k3_vision_key_mapping",
 ]

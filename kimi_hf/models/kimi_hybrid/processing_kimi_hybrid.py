@@ -11,6 +11,7 @@ from __future__ import annotations
 from transformers.feature_extraction_utils import BatchFeature
 from transformers.processing_utils import ProcessorMixin
 
+from ..hub_kimi import RemoteCodeProcessorMixin
 from .chat_markup_kimi_hybrid import (  # noqa: F401  (re-exported: the markup's names as they were)
     CHAT_TEMPLATE,
     IMAGE_MARKUP,
@@ -22,7 +23,7 @@ from .chat_markup_kimi_hybrid import (  # noqa: F401  (re-exported: the markup's
 )
 
 
-class KimiHybridProcessor(ProcessorMixin):
+class KimiHybridProcessor(RemoteCodeProcessorMixin, ProcessorMixin):
     def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
         super().__init__(image_processor, tokenizer, chat_template=chat_template or self.default_chat_template)
         self.image_token = getattr(tokenizer, "image_token", None) or IMAGE_TOKEN

@@ -69,7 +69,7 @@ def test_bad_shapes_name_the_argument():
 @pytest.mark.parametrize("T", [1, 3, 1024])  # decode steps and short prompts take the stacked path; long ones loop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_inference_without_autograd_matches_fp64_on_both_paths(T, dtype):
-    from kimi_hf.models.kimi_hybrid.depth_attention import SMALL_SOURCE_NUMEL
+    from kimi_hf.ops.depth_attention import SMALL_SOURCE_NUMEL
 
     torch.manual_seed(T)
     B, d, n, eps = 2, 64, 3, 1e-6

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import parse_k3_reply
+from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import parse_k3_reply
 
 from .release_format import (
     TINY_CHAT_IDS,
@@ -109,7 +109,7 @@ def test_parsed_replies_always_carry_content():
     from transformers.utils.chat_parsing.response_parser import parse_response
 
     from kimi_hf.models.kimi_hybrid.chat_markup_kimi_hybrid import RESPONSE_TEMPLATE
-    from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import K3_RESPONSE_TEMPLATE
+    from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import K3_RESPONSE_TEMPLATE
 
     k3 = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
     call = '<|open|>call tool="f"<|sep|><|open|>argument key="a"<|sep|>1<|close|>argument<|sep|><|close|>call<|sep|>'

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from kimi_hf.conversion.tokenizer import K3_SPECIAL_TOKENS, tiktoken_to_fast
-from kimi_hf.models.kimi_hybrid.chat_template_kimi_k3 import (
+from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import (
     K3_CHAT_TEMPLATE,
     K3_RESPONSE_TEMPLATE,
     K3_STOP_TOKEN,

@@ -13,8 +13,8 @@ from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoModelF
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import KimiHybridTextConfig
-from kimi_hf.models.kimi_hybrid.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
-from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import KimiK3ForConditionalGeneration, KimiK3Model
+from kimi_hf.models.kimi_k3.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+from kimi_hf.models.kimi_k3.modeling_kimi_k3 import KimiK3ForConditionalGeneration, KimiK3Model
 
 from .reference import k3_reference_greedy, k3_reference_logits
 from .release_format import tiny_k3_config, write_k3_checkpoint

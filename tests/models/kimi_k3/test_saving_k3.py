@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 from transformers import Trainer, TrainingArguments
 
-from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import KimiK3ForConditionalGeneration
+from kimi_hf.models.kimi_k3.modeling_kimi_k3 import KimiK3ForConditionalGeneration
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
 from .release_format import dequantize_mxfp4, tiny_k3_config, write_k3_checkpoint

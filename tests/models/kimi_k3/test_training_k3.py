@@ -10,15 +10,15 @@ from peft import LoraConfig, get_peft_model
 from torch import nn
 from transformers import Trainer, TrainingArguments
 
-from kimi_hf.models.kimi_hybrid.configuration_kimi_k3 import KimiK3Config
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiDeltaAttention, KimiHybridMLA
-from kimi_hf.models.kimi_hybrid.modeling_kimi_k3 import K3_LORA_TARGET_MODULES, KimiK3ForConditionalGeneration
+from kimi_hf.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
+from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES, KimiK3ForConditionalGeneration
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
 from .release_format import tiny_k3_config
 
 
-# the package's recommended list (kimi_hf.models.kimi_hybrid.modeling_kimi_k3.K3_LORA_TARGET_MODULES)
+# the package's recommended list (kimi_hf.models.kimi_k3.modeling_kimi_k3.K3_LORA_TARGET_MODULES)
 K3_LORA_TARGETS = K3_LORA_TARGET_MODULES
 
 CONFIG = tiny_k3_config()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..kimi_hybrid.processing_kimi_hybrid import KimiHybridProcessor
 from .chat_template_kimi_k3 import (
     IMAGE_PLACEHOLDER,
     K3_CHAT_TEMPLATE,
@@ -32,8 +33,7 @@ from .chat_template_kimi_k3 import (
     MEDIA_END,
     MEDIA_PAD,
 )
-from .image_processing_kimi_hybrid import KimiK3ImageProcessor
-from .processing_kimi_hybrid import KimiHybridProcessor
+from .image_processing_kimi_k3 import KimiK3ImageProcessor
 
 
 class KimiK3Processor(KimiHybridProcessor):

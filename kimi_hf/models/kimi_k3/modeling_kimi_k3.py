@@ -16,12 +16,16 @@ import re
 import torch
 from transformers.utils import logging
 
+from ..kimi_hybrid.conversion_mapping_kimi_hybrid import moonvit_key_mapping
+from ..kimi_hybrid.modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
+from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import (
+    KimiHybridForConditionalGeneration,
+    KimiHybridModel,
+    _is_dtensor,
+)
 from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
-from .conversion_mapping_kimi_hybrid import register_k3 as _register_k3_conversion_mapping
-from .modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
-from .modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration, KimiHybridModel, _is_dtensor
-from .modeling_kimi_hybrid_vision import k3_vision_key_mapping
-from .mxfp4_kimi_hybrid import quantize_mxfp4
+from .conversion_mapping_kimi_k3 import register_k3 as _register_k3_conversion_mapping
+from .mxfp4_kimi_k3 import quantize_mxfp4
 
 
 _register_k3_conversion_mapping()
@@ -79,9 +83,9 @@ class KimiK3Model(KimiHybridModel):
 
 
 def _inverse_vision_renames() -> list[tuple[re.Pattern, str]]:
-    """k3_vision_key_mapping's (released regex -> our name) pairs turned around: (our-name regex, released name)."""
+    """moonvit_key_mapping's (released regex -> our name) pairs turned around: (our-name regex, released name)."""
     pairs = []
-    for src, tgt in k3_vision_key_mapping():
+    for src, tgt in moonvit_key_mapping():
         released = src.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
         ours = "^" + re.escape(tgt).replace(re.escape(r"\1"), r"(\d+)")
         pairs.append((re.compile(ours), released))
@@ -216,8 +220,8 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from .conversion_mapping_kimi_hybrid import _as_bytes, k3_mapping
-    from .mxfp4_kimi_hybrid import dequantize_mxfp4
+    from .conversion_mapping_kimi_k3 import _as_bytes, k3_mapping
+    from .mxfp4_kimi_k3 import dequantize_mxfp4
 
     experts, rest = {}, {}
     for key, tensor in state_dict.items():
@@ -308,7 +312,7 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
             else:
                 module._buffers[attr] = old
     if info.conversion_errors:
-        from .hub_kimi_hybrid import conversion_error_messages
+        from ..hub_kimi import conversion_error_messages
 
         raise ValueError("; ".join(conversion_error_messages(info.conversion_errors)))
     if info.mismatched_keys:

@@ -1,26 +1,24 @@
 """Hub export: what makes a saved folder load with stock transformers and trust_remote_code=True.
 
-`save_pretrained` / `push_to_hub` of the models in this folder (through `RemoteCodeMixin`) write
-the config's auto_map, copy this folder's code files next to the weights (they import only torch,
-transformers and each other) and write a model card (README.md) unless one exists.
-
-It also holds the package's atomic-write helpers (`atomic_write`, `make_temp_dir`): files and
-directories are written through temporary ones and renamed, yet get the permissions open() / mkdir()
-would give them (0o666 / 0o777 & ~umask), not mkstemp's / mkdtemp's private 0o600 / 0o700.
-kimi_hf.plotting and kimi_hf.conversion use them too (this folder cannot import from outside it).
+`save_pretrained` / `push_to_hub` of the models (through `RemoteCodeMixin`) and of the processors (through
+`RemoteCodeProcessorMixin`) write the auto_map, copy the saved model type's code (`export_code`: the import
+closure of its auto_map modules, flattened into one folder) next to the weights and write a model card
+(README.md) unless one exists.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import sys
 import tempfile
-import threading
+
+from ..atomic_io import atomic_write, set_normal_mode
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-_UMASK_LOCK = threading.Lock()
 
 # The one Auto-class table: kimi_hf's import registers every entry with transformers (kimi_hf/__init__.py),
 # saved model configs carry their model type's entries as auto_map (RemoteCodeMixin), and saved processors
@@ -50,14 +48,14 @@ AUTO_MAPS = {
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForCausalLM",
     },
     "kimi_k3_vision": {
-        "AutoConfig": "configuration_kimi_hybrid_vision.KimiK3VisionConfig",
+        "AutoConfig": "configuration_kimi_k3_vision.KimiK3VisionConfig",
     },
     "kimi_k3": {
         "AutoConfig": "configuration_kimi_k3.KimiK3Config",
         "AutoModel": "modeling_kimi_k3.KimiK3Model",
         "AutoModelForCausalLM": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
         "AutoModelForImageTextToText": "modeling_kimi_k3.KimiK3ForConditionalGeneration",
-        "AutoImageProcessor": "image_processing_kimi_hybrid.KimiK3ImageProcessor",
+        "AutoImageProcessor": "image_processing_kimi_k3.KimiK3ImageProcessor",
         "AutoProcessor": "processing_kimi_k3.KimiK3Processor",
     },
 }
@@ -65,58 +63,84 @@ AUTO_MAPS = {
 PROCESSOR_AUTO_CLASSES = ("AutoImageProcessor", "AutoProcessor")
 
 
-def code_files() -> list[str]:
-    """The folder's modules (everything a remote-code load imports)."""
-    return sorted(os.path.join(HERE, f) for f in os.listdir(HERE) if f.endswith(".py") and f != "__init__.py")
+def module_file(module: str) -> str:
+    """The source file of an auto_map module ("modeling_kimi_k3"): in the package, `models/<model folder>/`; in a
+    saved (flat) folder, beside this file. Module names are unique across the model folders and ops."""
+    for folder in (HERE, *sorted(os.path.join(HERE, d) for d in os.listdir(HERE))):
+        path = os.path.join(folder, module + ".py")
+        if os.path.isfile(path):
+            return path
+    raise ValueError(f"no module {module!r} in {HERE} or its model folders")
 
 
-# --------------------------------------------------------------------------------------------
-# Atomic writes with normal permissions (the one place for them: plotting and conversion use these too)
-# --------------------------------------------------------------------------------------------
-def current_umask() -> int:
-    """The process umask. Linux reports it in /proc/self/status; elsewhere it can only be read by
-    setting it, so it is set and restored under a lock (other threads may still race with that)."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    with _UMASK_LOCK:
-        mask = os.umask(0o022)
-        os.umask(mask)
-    return mask
+# A relative import as transformers' get_relative_imports sees it (`^\s*from\s+\.(\S+)\s+import`, indented lazy
+# imports included), with any number of dots: (from )(dots)(dotted name)( import)
+_RELATIVE_IMPORT = re.compile(r"^(\s*from\s+)(\.+)([\w.]*)(\s+import\b)", re.MULTILINE)
+_RELATIVE_MODULE_IMPORT = re.compile(r"^\s*import\s+\.", re.MULTILINE)
 
 
-def normal_mode(directory: bool = False) -> int:
-    """The mode open() / mkdir() would give a new file (0o666) or directory (0o777) under the umask:
-    mkstemp / mkdtemp create theirs private (0o600 / 0o700)."""
-    return (0o777 if directory else 0o666) & ~current_umask()
+def _imported_files(path: str) -> list[str]:
+    """The files that `path` imports relatively (`from ..ops.kda import x` -> <package>/ops/kda.py)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    if _RELATIVE_MODULE_IMPORT.search(text):
+        raise ValueError(f"{path}: `import .x` cannot be copied into a Hub folder; write `from .x import ...`")
+    found = []
+    for match in _RELATIVE_IMPORT.finditer(text):
+        dots, dotted = match.group(2), match.group(3)
+        base = os.path.dirname(path)
+        for _ in range(len(dots) - 1):
+            base = os.path.dirname(base)
+        target = os.path.join(base, *dotted.split(".")) + ".py" if dotted else ""
+        if not os.path.isfile(target):  # `from . import x` or a package's __init__: no flat sibling file to name
+            raise ValueError(
+                f"{path}: `from {dots}{dotted} import` does not name a module file; Hub folders are flat, so import "
+                "from the module itself (e.g. `from ...ops.kda import chunk_kda`)"
+            )
+        found.append(target)
+    return found
 
 
-def atomic_write(path: str, data: bytes | str) -> str:
-    """Writes data (str as UTF-8) to path through a temporary file in the same directory and a
-    rename, so that readers never see a partial file; the file gets `normal_mode()`. Returns path."""
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data.encode("utf-8") if isinstance(data, str) else data)
-            os.fchmod(f.fileno(), normal_mode())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+def import_closure(modules) -> dict[str, str]:
+    """{file name: source path} of the auto_map modules ("modeling_kimi_k3", ...) and every file they import
+    relatively, recursively (lazy imports included): the code a remote-code load of them runs. Raises a ValueError
+    if two of those files share a name (they would overwrite each other in the flat folder)."""
+    todo = [module_file(m) for m in modules]
+    closure: dict[str, str] = {}
+    while todo:
+        path = os.path.realpath(todo.pop())
+        name = os.path.basename(path)
+        if name in closure:
+            if closure[name] != path:
+                raise ValueError(f"{closure[name]} and {path} would both be {name} in a saved folder")
+            continue
+        closure[name] = path
+        todo.extend(_imported_files(path))
+    return closure
 
 
-def set_normal_mode(path: str) -> None:
-    """Gives a file written by another library through a temporary file (safetensors >= 0.8 writes
-    0o600 weights) the mode open() would have given it."""
-    os.chmod(path, normal_mode(directory=os.path.isdir(path)))
+def flatten_imports(source: str) -> str:
+    """`from ..kimi_hybrid.x import` / `from ...ops.kda import` -> `from .x import` / `from .kda import`: the
+    imports of a flat folder, the only ones transformers' remote-code loader follows."""
+    return _RELATIVE_IMPORT.sub(lambda m: f"{m.group(1)}.{m.group(3).rsplit('.', 1)[-1]}{m.group(4)}", source)
+
+
+def model_modules(model_type: str, processors: bool = False) -> list[str]:
+    """The auto_map modules of a model type: its config's and models' (or, processors=True, its processors')."""
+    entries = AUTO_MAPS[model_type]
+    return sorted(
+        {ref.partition(".")[0] for auto, ref in entries.items() if (auto in PROCESSOR_AUTO_CLASSES) == processors}
+    )
+
+
+def export_code(save_directory: str, modules) -> list[str]:
+    """Writes the import closure of `modules`, flattened, into save_directory (each file atomically, with normal
+    permissions). Returns the file names."""
+    closure = import_closure(modules)
+    for name, path in sorted(closure.items()):
+        with open(path, encoding="utf-8") as f:
+            atomic_write(os.path.join(save_directory, name), flatten_imports(f.read()))
+    return sorted(closure)
 
 
 def weight_files(save_directory: str) -> list[str]:
@@ -127,20 +151,6 @@ def weight_files(save_directory: str) -> list[str]:
         with open(index, encoding="utf-8") as f:
             names |= set(json.load(f)["weight_map"].values())
     return sorted(p for p in (os.path.join(save_directory, n) for n in names) if os.path.isfile(p))
-
-
-def make_temp_dir(parent: str, prefix: str) -> str:
-    """A new temporary directory in parent (to be renamed into place later) with `normal_mode(True)`."""
-    tmp = tempfile.mkdtemp(prefix=prefix, dir=parent)
-    os.chmod(tmp, normal_mode(directory=True))
-    return tmp
-
-
-def copy_code(save_directory: str) -> None:
-    """Copies the code files into save_directory (each atomically, with normal permissions)."""
-    for path in code_files():
-        with open(path, "rb") as f:
-            atomic_write(os.path.join(save_directory, os.path.basename(path)), f.read())
 
 
 def _count(module) -> int:
@@ -288,7 +298,8 @@ class RemoteCodeMixin:
             return
         for path in weight_files(str(save_directory)):  # safetensors writes them 0o600
             set_normal_mode(path)
-        copy_code(str(save_directory))
+        if auto_map is not None:
+            export_code(str(save_directory), model_modules(type(self.config).model_type))
         card = os.path.join(save_directory, "README.md")
         if not os.path.exists(card):
             atomic_write(card, model_card(self))
@@ -325,16 +336,48 @@ class RemoteCodeMixin:
             )
 
 
+@contextlib.contextmanager
+def _flat_sources(objects):
+    """While saving: the modules of `objects` (processors registered for an Auto class) point transformers at
+    flattened copies of their import closure. transformers' `custom_object_save` copies an object's module file
+    and the files it imports with single-dot imports from the same folder, which a per-model source tree does
+    not have; from the flattened copies it copies exactly the closure, and writes the auto_map as it always does."""
+    modules = {sys.modules[type(o).__module__] for o in objects if getattr(o, "_auto_class", None) is not None}
+    with tempfile.TemporaryDirectory(prefix="kimi_hf_code_") as flat:
+        saved = {}
+        try:
+            for module in modules:
+                export_code(flat, [module.__name__.rpartition(".")[2]])
+                saved[module] = module.__file__
+                module.__file__ = os.path.join(flat, os.path.basename(module.__file__))
+            yield
+        finally:
+            for module, path in saved.items():
+                module.__file__ = path
+
+
+class RemoteCodeProcessorMixin:
+    """save_pretrained of a processor (or an image processor) registered for an Auto class copies the import
+    closure of its module, flattened, as models' saves do (see `_flat_sources`)."""
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        attributes = [getattr(self, a) for a in self.get_attributes()] if hasattr(self, "get_attributes") else []
+        with _flat_sources([self, *attributes]):
+            return super().save_pretrained(save_directory, *args, **kwargs)
+
+
 __all__ = [
     "RemoteCodeMixin",
     "AUTO_MAPS",
     "PROCESSOR_AUTO_CLASSES",
     "atomic_write",
-    "copy_code",
-    "make_temp_dir",
+    "RemoteCodeProcessorMixin",
+    "export_code",
+    "flatten_imports",
+    "import_closure",
+    "model_modules",
+    "module_file",
     "model_card",
-    "normal_mode",
-    "set_normal_mode",
     "upload",
     "weight_files",
 ]

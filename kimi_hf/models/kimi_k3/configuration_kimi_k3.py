@@ -15,8 +15,9 @@ import json
 from huggingface_hub.dataclasses import strict
 from transformers.configuration_utils import SubConfigSpec
 
-from .configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig, kimi_linear_layer_types
-from .configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, KimiK3VisionConfig, with_extra_attributes
+from ..kimi_hybrid.configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig, kimi_linear_layer_types
+from ..kimi_hybrid.configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, with_extra_attributes
+from .configuration_kimi_k3_vision import KimiK3VisionConfig
 
 
 # The compressed-tensors scheme of K3's routed experts (text_config.quantization_config of the release)

@@ -1,7 +1,7 @@
 """Kimi K3's vision tower (MoonViT3d with K3's switches) and patchmergerv2 projector as options of
 KimiHybridVisionModel / build_multimodal_projector: an independent float64 reference written from the K3
 architecture (plain loops per image, block and head; none of the module's code), loaded through
-k3_vision_key_mapping from tensors in the release's names; the interleaved 2D RoPE's pair order on a hand-made
+moonvit_key_mapping from tensors in the release's names; the interleaved 2D RoPE's pair order on a hand-made
 case; the released vision_config read and written back by KimiK3VisionConfig; its errors name the field; the
 full-size tower's names, shapes and parameter count (meta device); K2.5's defaults unchanged."""
 
@@ -14,17 +14,17 @@ from transformers.core_model_loading import WeightRenaming, apply_renamings
 
 from kimi_hf import KimiHybridConfig, KimiHybridVisionConfig, KimiHybridVisionModel
 from kimi_hf.conversion.k25_vision import interleaved_to_half
-from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid_vision import KimiK3VisionConfig
+from kimi_hf.models.kimi_hybrid.conversion_mapping_kimi_hybrid import moonvit_key_mapping
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid_vision import (
     KimiHybridMultimodalProjector,
     KimiHybridMultimodalProjectorV2,
     apply_rope,
     build_multimodal_projector,
     interleaved_rope,
-    k3_vision_key_mapping,
 )
+from kimi_hf.models.kimi_k3.configuration_kimi_k3_vision import KimiK3VisionConfig
 
-from .helpers import TINY, TINY_VISION
+from ..kimi_hybrid.helpers import TINY, TINY_VISION
 
 
 # Kimi K3's released vision_config, verbatim values.
@@ -219,7 +219,7 @@ def k3_pair(seed=0):
     tower, projector = released_tensors(vc, seed)
     config = KimiK3VisionConfig(**vc)
     model = KimiHybridVisionModel(config).eval()
-    names = rename(tower, k3_vision_key_mapping())
+    names = rename(tower, moonvit_key_mapping())
     model.load_state_dict({names[k]: v.float() for k, v in tower.items()}, strict=True)
     proj = build_multimodal_projector(config, vc["text_hidden_size"], layer_norm_eps=0.123).eval()
     proj.load_state_dict({k: v.float() for k, v in projector.items()}, strict=True)
@@ -303,10 +303,10 @@ def test_k3_names_map_by_renames_both_ways_with_transformers_renamings():
     vc = dict(TINY_K3)
     tower, _ = released_tensors(vc)
     model = KimiHybridVisionModel(KimiK3VisionConfig(**vc))
-    renamings = [WeightRenaming(src, tgt) for src, tgt in k3_vision_key_mapping()]
+    renamings = [WeightRenaming(src, tgt) for src, tgt in moonvit_key_mapping()]
     ours = {apply_renamings(k, renamings): v for k, v in tower.items()}
     assert {k: tuple(v.shape) for k, v in ours.items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    assert set(rename(tower, k3_vision_key_mapping()).values()) == set(ours)
+    assert set(rename(tower, moonvit_key_mapping()).values()) == set(ours)
     back = [r.reverse_transform() for r in renamings]
     assert {apply_renamings(k, back) for k in model.state_dict()} == set(tower)
 
@@ -336,7 +336,7 @@ def test_full_size_k3_names_shapes_and_parameter_count():
             }
         )
     assert len(released) == 165
-    names = rename(released, k3_vision_key_mapping())
+    names = rename(released, moonvit_key_mapping())
     assert {names[k]: v for k, v in released.items()} == {k: tuple(v.shape) for k, v in model.state_dict().items()}
     assert {k: tuple(v.shape) for k, v in proj.state_dict().items()} == {
         "proj.0.weight": (4096, 4096),

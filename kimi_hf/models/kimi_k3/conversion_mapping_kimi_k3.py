@@ -1,0 +1,171 @@
+"""Load-time conversion of Kimi K3's released layout (`moonshotai/Kimi-K3`) into KimiK3ForConditionalGeneration,
+through transformers' checkpoint conversion mapping: Kimi Linear's transforms (conversion_mapping_kimi_hybrid)
+plus K3's prefixes, Attention Residual names, the MoonViT tower's names and the MXFP4 routed experts.
+
+This folder is copied flat into Hub repos: imports are torch, transformers and the stdlib only.
+"""
+
+import torch
+from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+from transformers.core_model_loading import ConversionOps, WeightRenaming
+
+from ..kimi_hybrid.conversion_mapping_kimi_hybrid import (
+    Flatten,
+    LoadOnlyConverter,
+    LoadOnlyRenaming,
+    kimi_linear_mapping,
+    moonvit_key_mapping,
+)
+
+
+# only the root class: a nested KimiK3Model with its own registration would apply the transforms twice
+K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration", "KimiK3Model")
+
+
+def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' loader casts every checkpoint tensor to its target parameter's dtype before the conversion
+    ops run; uint8 values survive any float cast exactly (0..255 are exact even in bf16), so they are cast back."""
+    if t.dtype == torch.uint8 or not t.is_floating_point():
+        return t
+    back = t.to(torch.uint8)
+    if not torch.equal(back.to(t.dtype), t):
+        raise ValueError(f"{name}: MXFP4 tensors must hold uint8 values, got non-byte {t.dtype} values")
+    return back
+
+
+class DequantizeMxfp4(ConversionOps):
+    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts
+    tensor, losslessly, in one pass: each expert's `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale`
+    [out, in/32] is decoded straight into its slice of the target [E, sum of outs, in] (w1 rows then w3 rows for
+    gate_up_proj, as the source patterns are ordered; w2 alone for down_proj), so one layer's experts exist once
+    in the model's dtype while they load (no stacked copy, no concatenation copy)."""
+
+    @torch.no_grad()
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
+        from .mxfp4_kimi_k3 import dequantize_mxfp4
+
+        dtype = torch.bfloat16
+        if model is not None and full_layer_name is not None:
+            try:
+                dtype = model.get_parameter(full_layer_name).dtype
+            except AttributeError:
+                pass
+        parts = []  # (pattern, packed list, scale list)
+        for pattern in source_patterns:
+            if not pattern.endswith("weight_packed"):
+                continue
+            packed = input_dict.pop(pattern, None)
+            scales = input_dict.pop(pattern.replace("weight_packed", "weight_scale"), None)
+            if packed is None or scales is None:
+                raise ValueError(f"{full_layer_name}: {pattern} and its weight_scale must both be in the checkpoint")
+            packed = packed if isinstance(packed, list) else [packed]
+            scales = scales if isinstance(scales, list) else [scales]
+            if len(scales) != len(packed):
+                raise ValueError(
+                    f"{full_layer_name}: {len(packed)} {pattern} tensors but {len(scales)} weight_scale tensors"
+                )
+            parts.append((pattern, packed, scales))
+        if input_dict:
+            raise ValueError(f"{full_layer_name}: unexpected tensors beside the MXFP4 experts: {list(input_dict)}")
+        experts = {len(packed) for _, packed, _ in parts}
+        if len(experts) != 1:
+            raise ValueError(
+                f"{full_layer_name}: the MXFP4 tensors disagree on the number of experts: {sorted(experts)}"
+            )
+        E = experts.pop()
+        rows = [packed[0].shape[-2] for _, packed, _ in parts]
+        cols = {2 * packed[0].shape[-1] for _, packed, _ in parts}
+        if len(cols) != 1:
+            raise ValueError(f"{full_layer_name}: the MXFP4 tensors disagree on the input width: {sorted(cols)}")
+        out = torch.empty(E, sum(rows), cols.pop(), dtype=dtype, device=parts[0][1][0].device)
+        start = 0
+        for (pattern, packed, scales), n in zip(parts, rows):
+            name = f"{full_layer_name} ({pattern})"
+            for e in range(E):
+                p, s = _as_bytes(packed[e], name), _as_bytes(scales[e], name)
+                if p.shape[-2] != n:
+                    raise ValueError(f"{name}[{e}]: {p.shape[-2]} rows, expert 0 has {n}")
+                out[e, start : start + n] = dequantize_mxfp4(p, s, dtype=dtype, name=f"{name}[{e}]")
+                packed[e] = scales[e] = None  # the source bytes go as soon as they are decoded
+            start += n
+        return {target_patterns[0]: out}
+
+    @property
+    def reverse_op(self):
+        raise NotImplementedError("DequantizeMxfp4 is load-only (save_pretrained of a K3 model re-packs)")
+
+
+def k3_mapping() -> list:
+    """Kimi K3's released layout -> KimiK3ForConditionalGeneration (K3.md-style names on the left):
+
+        language_model.model.*            -> model.language_model.*       language_model.lm_head.* -> lm_head.*
+        vision_tower.* / mm_projector.*   -> model.vision_tower.* (renames of moonvit_key_mapping) / model.mm_projector.*
+        *.self_attention_res_{norm,proj}  -> *.attn_res.{key_norm.weight, query}  ([1, d] proj -> [d] query)
+        *.mlp_res_{norm,proj}             -> *.mlp_res.*;   output_attn_res_* -> final_res.*
+        block_sparse_moe.experts.{e}.w1/w3/w2 (.weight_packed + .weight_scale MXFP4, or bf16 .weight)
+                                          -> mlp.experts.gate_up_proj [E, 2I, latent] / down_proj [E, latent, I]
+        self_attn.A_log [head_dim], zero-padded -> [H]
+    plus Kimi Linear's other transforms (block_sparse_moe -> mlp)."""
+    vision = [
+        LoadOnlyRenaming(
+            source_patterns=r"^vision_tower\." + src.removeprefix("^"), target_patterns="model.vision_tower." + tgt
+        )
+        for src, tgt in moonvit_key_mapping()
+    ]
+    res = []
+    for released, ours in (
+        ("self_attention_res", "attn_res"),
+        ("mlp_res", "mlp_res"),
+        ("output_attn_res", "final_res"),
+    ):
+        res.append(
+            LoadOnlyRenaming(
+                source_patterns=rf"\.{released}_norm\.weight$", target_patterns=f".{ours}.key_norm.weight"
+            )
+        )
+        res.append(LoadOnlyRenaming(source_patterns=rf"\.{released}_proj\.weight$", target_patterns=f".{ours}.query"))
+    linear = kimi_linear_mapping()
+    renames = [t for t in linear if isinstance(t, WeightRenaming)]
+    converters = [t for t in linear if not isinstance(t, WeightRenaming)]
+    mxfp4 = [
+        LoadOnlyConverter(
+            source_patterns=[
+                "mlp.experts.*.w1.weight_packed",
+                "mlp.experts.*.w1.weight_scale",
+                "mlp.experts.*.w3.weight_packed",
+                "mlp.experts.*.w3.weight_scale",
+            ],
+            target_patterns="mlp.experts.gate_up_proj",
+            operations=[DequantizeMxfp4()],
+        ),
+        LoadOnlyConverter(
+            source_patterns=["mlp.experts.*.w2.weight_packed", "mlp.experts.*.w2.weight_scale"],
+            target_patterns="mlp.experts.down_proj",
+            operations=[DequantizeMxfp4()],
+        ),
+    ]
+    query = [
+        LoadOnlyConverter(source_patterns=rf"{ours}\.query", target_patterns=f"{ours}.query", operations=[Flatten()])
+        for ours in ("attn_res", "mlp_res", "final_res")
+    ]
+    return [
+        *vision,
+        LoadOnlyRenaming(source_patterns=r"^vision_tower\.", target_patterns="model.vision_tower."),
+        LoadOnlyRenaming(source_patterns=r"^mm_projector\.", target_patterns="model.mm_projector."),
+        LoadOnlyRenaming(source_patterns=r"^language_model\.model\.", target_patterns="model.language_model."),
+        LoadOnlyRenaming(source_patterns=r"^language_model\.lm_head\.", target_patterns="lm_head."),
+        *res,
+        *renames,
+        *query,
+        *mxfp4,
+        *converters,
+    ]
+
+
+def register_k3() -> None:
+    """Registers K3's mapping for its multimodal classes (called by modeling_kimi_k3 at import)."""
+    for name in K3_REGISTERED_CLASSES:
+        register_checkpoint_conversion_mapping(name, k3_mapping(), overwrite=True)
+
+
+__all__ = ["K3_REGISTERED_CLASSES", "DequantizeMxfp4", "k3_mapping", "register_k3"]

@@ -35,11 +35,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from common import argument_parser, decode_step_times, spread_cell, spread_warning, timed, warn  # noqa: E402
 
 from kimi_hf import KimiK3ForConditionalGeneration  # noqa: E402
-from kimi_hf.quickstart import small_k3_config  # noqa: E402
+from kimi_hf.presets import small_k3_config  # noqa: E402
 
 
 def k3_config(hidden: int, layers: int, k3_parts: bool = True):
-    """The benchmark's K3 (see kimi_hf.quickstart.small_k3_config): 4 heads, MLA heads of 32, 16 experts top-4,
+    """The benchmark's K3 (see kimi_hf.presets.small_k3_config): 4 heads, MLA heads of 32, 16 experts top-4,
     AttnRes every 4 layers; k3_parts=False turns Attention Residuals and LatentMoE off."""
     return small_k3_config(
         hidden,

@@ -29,6 +29,7 @@ from transformers import StaticCache  # noqa: E402
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
 from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
+from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types  # noqa: E402
 
 
 SIZE = dict(
@@ -49,7 +50,7 @@ SIZE = dict(
     pad_token_id=0,
     bos_token_id=1,
     eos_token_id=2,
-    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    layer_types=kimi_linear_layer_types(4),  # Kimi Linear's 3 KDA : 1 MLA
     mlp_layer_types=["dense"] + ["sparse"] * 3,
 )
 EXPERTS = 8

@@ -25,6 +25,7 @@ from common import Timing, argument_parser, save_plot, spread_cell, spread_warni
 
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig  # noqa: E402
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus  # noqa: E402
+from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types  # noqa: E402
 from kimi_hf.optim import MuonClip  # noqa: E402
 
 
@@ -35,7 +36,7 @@ def config(hidden=96):
         intermediate_size=2 * hidden,
         moe_intermediate_size=hidden,
         num_hidden_layers=3,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        layer_types=kimi_linear_layer_types(3),  # KDA, KDA, MLA (the last layer is MLA)
         mlp_layer_types=["dense", "sparse", "sparse"],
         num_attention_heads=2,
         kv_lora_rank=32,

@@ -25,7 +25,7 @@ from kimi_hf import KimiK3ForConditionalGeneration
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
-from kimi_hf.quickstart import small_k3_config
+from kimi_hf.presets import small_k3_config
 
 
 class Windows(Dataset):

@@ -36,7 +36,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 import kimi_hf
 from kimi_hf.chat import generate_replies
 from kimi_hf.collators import KimiHybridVisionCollator
-from kimi_hf.quickstart import small_multimodal_model
+from kimi_hf.presets import small_multimodal_model
 from kimi_hf.tokenization import train_tokenizer
 
 

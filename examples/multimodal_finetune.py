@@ -22,6 +22,7 @@ from transformers import Trainer, TrainingArguments
 from kimi_hf import KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor, KimiHybridProcessor
 from kimi_hf.chat import IMAGE_TOKEN, chat_stop_token_ids
 from kimi_hf.collators import KimiHybridVisionCollator
+from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
 from kimi_hf.scenes import counting_accuracy, counting_examples
@@ -36,7 +37,7 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
         intermediate_size=2 * hidden,
         moe_intermediate_size=hidden,
         num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
+        layer_types=kimi_linear_layer_types(2),  # KDA, MLA (the last layer is MLA)
         mlp_layer_types=["dense", "sparse"],
         num_attention_heads=2,
         kv_lora_rank=32,

@@ -7,7 +7,7 @@
     KimiHybridVisionConfig, KimiHybridVisionModel, KimiHybridImageProcessor, KimiHybridProcessor
                                                    early fusion: MoonViT tower + hybrid decoder
     kimi_hf.KimiK3Config, KimiK3Model, KimiK3ForConditionalGeneration, KimiK3TextConfig, KimiK3TextModel,
-    KimiK3ForCausalLM, KimiK3VisionConfig, KimiK3ImageProcessor, KimiK3Processor
+    KimiK3ForCausalLM, KimiK3VisionConfig, KimiK3VisionModel, KimiK3ImageProcessor, KimiK3Processor
                                                    Kimi K3 as released (loads Moonshot's folders directly)
 
 Importing kimi_hf registers the models with transformers' Auto classes. The one exception is the
@@ -40,6 +40,7 @@ __all__ = [
     "KimiK3Config",
     "KimiK3TextConfig",
     "KimiK3VisionConfig",
+    "KimiK3VisionModel",
     "KimiK3TextModel",
     "KimiK3ForCausalLM",
     "KimiK3Model",

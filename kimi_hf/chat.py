@@ -1,12 +1,27 @@
-"""Batched chat replies from a model of this package (or any transformers chat model + processor)."""
+"""Batched chat replies from a model of this package (or any transformers chat model + processor), and the choice
+between Kimi's chat markup and Kimi K3's for code that takes either kind of tokenizer.
+
+The model folders each know their own markup only (kimi_hybrid's chat_markup_kimi_hybrid.py: Kimi K2 / K2.5 /
+Kimi Linear; kimi_k3's chat_template_kimi_k3.py: K3's XTML), so that a Kimi Linear Hub folder ships no K3 code;
+`has_k3_markup` picks here.
+"""
 
 from __future__ import annotations
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, chat_stop_token_ids
-from .models.kimi_k3.chat_template_kimi_k3 import has_k3_markup, parse_k3_reply
+from .models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN, TURN_END, kimi_stop_token_ids
+from .models.kimi_k3.chat_template_kimi_k3 import has_k3_markup, k3_stop_token_ids
+from .models.kimi_k3.reply_parser_kimi_k3 import parse_k3_reply
+
+
+def chat_stop_token_ids(tokenizer) -> list[int]:
+    """The ids that chat generation stops on, by the tokenizer's markup: with Kimi K3's, `k3_stop_token_ids`
+    (<|end_of_msg|> first, then EOS); else `kimi_stop_token_ids` (EOS and, where the tokenizer has it, <|im_end|>:
+    the chat template closes every reply with it, so a model trained on chats writes it, not EOS, when its reply
+    is done). Use it as the model config's `eos_token_id`."""
+    return k3_stop_token_ids(tokenizer) if has_k3_markup(tokenizer) else kimi_stop_token_ids(tokenizer)
 
 
 @torch.no_grad()

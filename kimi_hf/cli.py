@@ -18,6 +18,7 @@ import subprocess
 import sys
 
 from . import __version__
+from .cli_args import ArgumentParser
 
 
 PROG = "kimi-hf"
@@ -45,13 +46,6 @@ BENCHMARKS = {
 }
 # what a command raises for bad input or a failed run: printed on one line, not as a traceback
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with one-line usage errors (`PROG: error: ...`, exit status 2) that point to --help."""
-
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -144,8 +138,7 @@ def _convert(argv):
         argv,
         description="Convert checkpoints (streaming, sharded, atomic: a failed run leaves no output).",
     )
-    from .conversion.cli import k25_vision_main, kimi_linear_main
-    from .conversion.k3 import k3_main  # torch-free until it converts, as the others
+    from .conversion.cli import k3_main, k25_vision_main, kimi_linear_main  # torch-free until they convert
 
     main = {"kimi-linear": kimi_linear_main, "k25-vision": k25_vision_main, "k3": k3_main}[name]
     return main(argv[1:], prog=f"{PROG} convert {name}")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import ASSISTANT, MIDDLE, TURN_END
-from .models.kimi_k3.chat_template_kimi_k3 import END_OF_MSG, OPEN, SEP, has_k3_markup
+from .models.kimi_k3.chat_template_kimi_k3 import has_k3_markup
+from .models.kimi_k3.xtml_kimi_k3 import END_OF_MSG, OPEN, SEP
 
 
 IGNORE_INDEX = -100

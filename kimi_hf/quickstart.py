@@ -20,12 +20,10 @@ import random
 import time
 from dataclasses import dataclass
 
+# the presets' old home: SIZES and the small models stay importable from here
+from .presets import SIZES, small_k3_config, small_k3_model, small_multimodal_model
 
-SIZES = {  # hidden, layers (3 KDA : 1 MLA), experts, vision hidden, vocabulary
-    "tiny": dict(hidden=64, layers=4, experts=4, vision_hidden=32, vocab=512),
-    "small": dict(hidden=128, layers=4, experts=4, vision_hidden=64, vocab=1024),
-    "base": dict(hidden=256, layers=8, experts=8, vision_hidden=128, vocab=2048),
-}
+
 TEXT_PROMPT = "Write some Python."
 ARCHS = {"k3": "Kimi K3", "kimi-linear": "Kimi Linear"}  # --arch: the architecture trained
 # what run_quickstart writes under `out`: directories, then files (summary.json goes through a temporary file)
@@ -71,160 +69,6 @@ def text_examples(n: int, seed: int, chars: int = 240) -> list[dict]:
     return out
 
 
-def small_multimodal_model(tokenizer, size: str = "small", image_size: int = 84, attn_residual: str = "none"):
-    """A KimiHybridForConditionalGeneration of one of SIZES for `tokenizer` (Kimi Linear's 3:1
-    KDA:MLA layout and a dense first layer, then MoE; MoonViT tower with positions for image_size)."""
-    from . import KimiHybridConfig, KimiHybridForConditionalGeneration
-    from .chat import IMAGE_TOKEN, chat_stop_token_ids
-
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    s, side = SIZES[size], image_size // 14 + 1
-    h = s["hidden"]
-    text = dict(
-        vocab_size=len(tokenizer),
-        hidden_size=h,
-        intermediate_size=2 * h,
-        moe_intermediate_size=h // 2,
-        num_hidden_layers=s["layers"],
-        first_k_dense_replace=1,
-        num_attention_heads=2,
-        kv_lora_rank=h // 4,
-        qk_nope_head_dim=16,
-        qk_rope_head_dim=8,
-        v_head_dim=16,
-        num_experts=s["experts"],
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        linear_num_heads=2,
-        linear_head_dim=h // 2,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=chat_stop_token_ids(tokenizer),
-        attn_residual=attn_residual,
-    )  # replies stop at the turn end
-    vision = dict(
-        hidden_size=s["vision_hidden"],
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=2 * s["vision_hidden"],
-        pos_emb_height=side,
-        pos_emb_width=side,
-    )
-    config = KimiHybridConfig(
-        text_config=text, vision_config=vision, image_token_id=tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
-    )
-    return KimiHybridForConditionalGeneration(config)
-
-
-def small_k3_model(tokenizer, size: str = "small", image_size: int = 84):
-    """A KimiK3ForConditionalGeneration of one of SIZES for a K3-markup `tokenizer` (train_tokenizer(...,
-    markup="k3")): the K3 architecture of `small_k3_config` (safe-gate KDA 3 : 1 gated MLA, SiTU LatentMoE,
-    K3 Block AttnRes, the K3 MoonViT3d tower, two blocks) at that size; eos <|end_of_msg|>."""
-    from . import KimiK3ForConditionalGeneration
-    from .models.kimi_k3.chat_template_kimi_k3 import K3_STOP_TOKEN, MEDIA_PAD
-
-    if size not in SIZES:
-        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
-    s = SIZES[size]
-    config = small_k3_config(
-        hidden=s["hidden"],
-        layers=s["layers"],
-        vocab_size=len(tokenizer),
-        experts=s["experts"],
-        vision_hidden=s["vision_hidden"],
-        vision_layers=2,
-        vision_pos_emb=image_size // 14 + 1,
-        media_token_id=tokenizer.convert_tokens_to_ids(MEDIA_PAD),
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.convert_tokens_to_ids(K3_STOP_TOKEN),
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    return KimiK3ForConditionalGeneration(config)
-
-
-def small_k3_config(
-    hidden: int = 96,
-    layers: int = 6,
-    *,
-    vocab_size: int = 259,
-    heads: int = 2,
-    mla_head_dim: int = 16,
-    experts: int = 8,
-    top_k: int = 2,
-    attn_res_block_size: int = 2,
-    k3_parts: bool = True,
-    vision_hidden: int = 32,
-    vision_layers: int = 1,
-    vision_pos_emb: int = 8,
-    media_token_id: int = 258,
-    bos_token_id: int = 256,
-    eos_token_id: int = 257,
-    pad_token_id: int = 258,
-):
-    """A small Kimi K3-architecture KimiK3Config, in the released config's field names: K3's layer pattern (KDA
-    at 1-based layers not divisible by 4, MLA there and last), a dense layer 0, the safe gate and full-rank KDA
-    output gate, gated MLA with q LoRA (nope = v = mla_head_dim, rope = half), SiTU, Stable LatentMoE (latent
-    hidden / 2, one shared expert) and Block AttnRes every attn_res_block_size layers, a MoonViT3d tower of
-    vision_layers blocks. k3_parts=False turns Attention Residuals and LatentMoE off (experts at the full width), the rest
-    unchanged: the comparison benchmarks/k3.py makes."""
-    from . import KimiK3Config
-
-    kda = [i + 1 for i in range(layers) if (i + 1) % 4 and i < layers - 1]
-    text = dict(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        moe_intermediate_size=hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        q_lora_rank=hidden // 2,
-        kv_lora_rank=hidden // 2,
-        qk_nope_head_dim=mla_head_dim,
-        qk_rope_head_dim=mla_head_dim // 2,
-        v_head_dim=mla_head_dim,
-        num_experts=experts,
-        num_experts_per_token=top_k,
-        num_shared_experts=1,
-        linear_attn_config=dict(
-            num_heads=heads,
-            head_dim=hidden // heads,
-            short_conv_kernel_size=4,
-            use_full_rank_gate=True,
-            gate_lower_bound=-5.0,
-            kda_layers=kda,
-            full_attn_layers=[i + 1 for i in range(layers) if i + 1 not in kda],
-        ),
-        first_k_dense_replace=1,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    if k3_parts:
-        text.update(attn_res_block_size=attn_res_block_size, routed_expert_hidden_size=hidden // 2)
-        text.update(latent_moe_use_norm=True)
-    else:
-        text.update(attn_residual="none", routed_expert_hidden_size=None, latent_moe_use_norm=False)
-    vision = dict(
-        vt_hidden_size=vision_hidden,
-        vt_num_hidden_layers=vision_layers,
-        vt_num_attention_heads=2,
-        qkv_hidden_size=vision_hidden,
-        vt_intermediate_size=2 * vision_hidden,
-        init_pos_emb_height=vision_pos_emb,
-        init_pos_emb_width=vision_pos_emb,
-        text_hidden_size=hidden,
-    )
-    return KimiK3Config(
-        text_config=text,
-        vision_config=vision,
-        media_placeholder_token_id=media_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
-
-
 def one_kind_batches(texts: list[dict], scenes: list[dict], batch_size: int, seed: int) -> list[dict]:
     """texts + scenes ordered so that each run of `batch_size` examples is of one kind, the runs in a seeded
     random order (train with train_sampling_strategy="sequential"): a batch is padded to its longest example,
@@ -245,10 +89,11 @@ def markup_text(conversations: list[list[dict]], chat_template_kwargs: dict) -> 
 
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    from .models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, MEDIA_TOKENS, XTML_TOKENS
+    from .models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE
+    from .models.kimi_k3.xtml_kimi_k3 import K3_MEDIA_TOKENS, XTML_TOKENS
 
     rendered, _ = render_jinja_template(conversations, chat_template=K3_CHAT_TEMPLATE, **chat_template_kwargs)
-    split = re.compile("|".join(re.escape(t) for t in XTML_TOKENS + MEDIA_TOKENS))
+    split = re.compile("|".join(re.escape(t) for t in XTML_TOKENS + K3_MEDIA_TOKENS))
     return [piece for text in rendered for piece in split.split(text) if piece]
 
 
@@ -319,23 +164,10 @@ def _device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def run_quickstart(
-    out: str = "outputs/quickstart",
-    size: str = "small",
-    steps: int = 500,
-    batch_size: int = 16,
-    lr: float = 5e-3,
-    device: str = "auto",
-    seed: int = 0,
-    text_examples_n: int = 1000,
-    image_examples_n: int = 4000,
-    eval_images: int = 256,
-    image_size: int = 84,
-    progress: bool = True,
-    arch: str = "k3",
-) -> QuickstartResult:
-    """Runs the six steps (module docstring), writing OUTPUT_DIRS and OUTPUT_FILES under `out`. The arguments
-    and the output paths are checked first: a bad one raises before any work is done."""
+def check_arguments(
+    steps: int, batch_size: int, text_examples_n: int, image_examples_n: int, eval_images: int, size: str, arch: str
+) -> None:
+    """Raises ValueError naming the first bad argument of run_quickstart (counts, size, arch)."""
     for name, v in (
         ("steps", steps),
         ("batch_size", batch_size),
@@ -354,24 +186,40 @@ def run_quickstart(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {sorted(ARCHS)}, got {arch!r}")
-    check_outputs(out)  # before the minutes of work, not after them
-    device = _device(device)
 
-    import torch
-    from transformers import AutoModelForImageTextToText, AutoProcessor, Trainer, TrainingArguments
 
-    from . import KimiHybridImageProcessor, KimiHybridProcessor, KimiK3ImageProcessor, KimiK3Processor
-    from .chat import generate_replies
-    from .collators import KimiHybridVisionCollator
-    from .optim import MuonClip, MuonClipCallback
-    from .plotting import LossHistory, save_loss_plot
-    from .scenes import QUESTION, counting_accuracy, counting_examples, render_scene
-    from .tokenization import train_tokenizer
+@dataclass(frozen=True)
+class ChatFormat:
+    """How run_quickstart talks to one architecture: its chat template's kwargs, the new tokens an answer to
+    the counting question needs, and the markup's name (printed at step 2)."""
 
-    t0 = time.time()
-    torch.manual_seed(seed)
-    torch.set_flush_denormal(True)
-    os.makedirs(out, exist_ok=True)
+    k3: bool
+    chat_kwargs: dict
+    answer_tokens: int
+    markup: str
+
+
+def chat_format(arch: str) -> ChatFormat:
+    """K3: its XTML format with the think channel, without the thinking-effort preamble (a long system message);
+    a reply closes the think channel and opens the response one before its answer. Kimi Linear: K2's markup."""
+    if arch == "k3":
+        return ChatFormat(True, {"thinking_effort": None}, 16, "Kimi K3's XTML chat / media")
+    return ChatFormat(False, {}, 2, "Kimi's chat / media / tool")
+
+
+@dataclass
+class QuickstartData:
+    texts: list[dict]  # text chat examples (standard-library chunks)
+    scenes: list[dict]  # counting examples (generated scenes)
+    held_out: list[dict]  # counting examples of other seeds, for evaluation
+    train: list[dict]  # texts + scenes in one-kind batches (one_kind_batches)
+
+
+def build_data(
+    text_examples_n: int, image_examples_n: int, eval_images: int, image_size: int, batch_size: int, seed: int
+) -> QuickstartData:
+    """Step 1: the text and scene examples, the held-out scenes and the training order."""
+    from .scenes import counting_examples
 
     print(
         f"[1/6] data: {text_examples_n} text chunks of the standard library, {image_examples_n} generated scenes "
@@ -380,36 +228,54 @@ def run_quickstart(
     texts = text_examples(text_examples_n, seed)
     scenes = counting_examples(image_examples_n, seed=seed, size=image_size)
     held_out = counting_examples(eval_images, seed=seed + 10_000, size=image_size)
-    train = one_kind_batches(texts, scenes, batch_size, seed)
+    return QuickstartData(texts, scenes, held_out, one_kind_batches(texts, scenes, batch_size, seed))
+
+
+def build_tokenizer(data: QuickstartData, size: str, fmt: ChatFormat):
+    """Step 2: a byte-level BPE of SIZES[size]'s vocabulary trained on the replies (and, for K3, the words of its
+    markup), with the architecture's chat markup tokens."""
+    from .scenes import QUESTION
+    from .tokenization import train_tokenizer
+
+    print(f"[2/6] tokenizer: byte-level BPE, {SIZES[size]['vocab']} tokens, {fmt.markup} tokens")
+    corpus = [ex["messages"][1]["content"] for ex in data.texts]
+    corpus += [f"{QUESTION} {ex['answer']}" for ex in data.scenes[:200]]
+    if fmt.k3:  # K3's markup is words between its tokens (message role="assistant", think, response): merge them too
+        corpus += markup_text([ex["messages"] for ex in data.texts[:100] + data.scenes[:100]], fmt.chat_kwargs)
+    return train_tokenizer(corpus, vocab_size=SIZES[size]["vocab"], markup="k3" if fmt.k3 else "kimi")
+
+
+def build_model(tokenizer, size: str, image_size: int, arch: str):
+    """Step 3: (model, processor) of the architecture at that size, described on one line."""
+    from . import KimiHybridImageProcessor, KimiHybridProcessor, KimiK3ImageProcessor, KimiK3Processor
 
     k3 = arch == "k3"
-    # K3's format with its think channel, without the thinking-effort preamble (a long system message)
-    chat_kwargs = {"thinking_effort": None} if k3 else {}
-    answer_tokens = 16 if k3 else 2  # K3's reply closes the think channel and opens the response one first
-    markup = "Kimi K3's XTML chat / media" if k3 else "Kimi's chat / media / tool"
-    print(f"[2/6] tokenizer: byte-level BPE, {SIZES[size]['vocab']} tokens, {markup} tokens")
-    corpus = [ex["messages"][1]["content"] for ex in texts] + [f"{QUESTION} {ex['answer']}" for ex in scenes[:200]]
-    if k3:  # K3's markup is words between its tokens (message role="assistant", think, response): merge them too
-        corpus += markup_text([ex["messages"] for ex in texts[:100] + scenes[:100]], chat_kwargs)
-    tokenizer = train_tokenizer(corpus, vocab_size=SIZES[size]["vocab"], markup="k3" if k3 else "kimi")
     if k3:
         processor = KimiK3Processor(KimiK3ImageProcessor(), tokenizer)
         model = small_k3_model(tokenizer, size, image_size)
     else:
         processor = KimiHybridProcessor(KimiHybridImageProcessor(), tokenizer)
         model = small_multimodal_model(tokenizer, size, image_size)
-    n_params = sum(p.numel() for p in model.parameters())
     tc = model.config.text_config
     k3_parts = f"; SiTU LatentMoE, Block AttnRes (blocks of {tc.attn_residual_block_size} sublayers)" if k3 else ""
     print(
-        f"[3/6] model: {ARCHS[arch]}, {n_params / 1e6:.2f}M parameters; decoder {tc.layer_types} "
+        f"[3/6] model: {ARCHS[arch]}, {_parameters(model) / 1e6:.2f}M parameters; decoder {tc.layer_types} "
         f"({tc.num_experts} experts, top-{tc.num_experts_per_tok}{k3_parts}), "
         f"vision tower {model.config.vision_config.num_hidden_layers} layers"
     )
+    return model, processor
 
-    print(f"[4/6] training: {steps} steps x {batch_size} examples, MuonClip lr {lr}, Trainer on {device}")
-    history = LossHistory()
-    args = TrainingArguments(
+
+def _parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def training_arguments(out: str, steps: int, batch_size: int, lr: float, device: str, seed: int, progress: bool):
+    """Step 4's TrainingArguments: a cosine schedule with a short warmup, about 20 logged losses, no
+    checkpoints, the batches in one_kind_batches' order (sequential sampling, partial batches dropped)."""
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
         output_dir=os.path.join(out, "trainer"),
         per_device_train_batch_size=batch_size,
         max_steps=steps,
@@ -426,25 +292,51 @@ def run_quickstart(
         disable_tqdm=not progress,
         train_sampling_strategy="sequential",  # the order one_kind_batches made
     )
+
+
+def train_model(model, processor, data: QuickstartData, fmt: ChatFormat, args, device: str):
+    """Step 4: args.max_steps Trainer steps with MuonClip (QK-Clip on); returns the LossHistory of the logged
+    losses."""
+    from transformers import Trainer
+
+    from .collators import KimiHybridVisionCollator
+    from .optim import MuonClip, MuonClipCallback
+    from .plotting import LossHistory
+
+    lr = args.learning_rate
+    print(
+        f"[4/6] training: {args.max_steps} steps x {args.per_device_train_batch_size} examples, MuonClip lr {lr}, "
+        f"Trainer on {device}"
+    )
+    history = LossHistory()
     trainer = Trainer(
         model=model,
         args=args,
-        train_dataset=train,
-        data_collator=KimiHybridVisionCollator(processor, chat_template_kwargs=chat_kwargs),
+        train_dataset=data.train,
+        data_collator=KimiHybridVisionCollator(processor, chat_template_kwargs=fmt.chat_kwargs),
         optimizer_cls_and_kwargs=(MuonClip, dict(model=model, lr=lr, weight_decay=0.01, qk_clip_tau=100.0)),
         callbacks=[history, MuonClipCallback()],
     )
     trainer.train()
-    loss_plot = (
-        save_loss_plot(
-            os.path.join(out, "loss.png"),
-            history.steps,
-            history.losses,
-            title=f"quickstart training loss ({size}, {steps} steps)",
-        )
-        if history.losses
-        else None
-    )
+    return history
+
+
+def plot_loss(out: str, history, size: str, steps: int) -> str | None:
+    """The loss curve as out/loss.png (None when no loss was logged)."""
+    from .plotting import save_loss_plot
+
+    if not history.losses:
+        return None
+    title = f"quickstart training loss ({size}, {steps} steps)"
+    return save_loss_plot(os.path.join(out, "loss.png"), history.steps, history.losses, title=title)
+
+
+def save_and_reload(model, processor, out: str, device: str, probe_example: dict, chat_kwargs: dict):
+    """Step 5: save_pretrained model and processor to out/model, reload both through the Auto classes and
+    check the reloaded logits match the trained model's on `probe_example` (RuntimeError past 1e-4).
+    Returns (model_dir, reloaded model, reloaded processor, max logit difference)."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model_dir = os.path.join(out, "model")
     print(f"[5/6] save_pretrained -> {model_dir}; reload with AutoModelForImageTextToText / AutoProcessor")
@@ -454,44 +346,40 @@ def run_quickstart(
     processor = AutoProcessor.from_pretrained(model_dir)
     model.eval()
     probe = processor(
-        images=held_out[0]["images"],
-        text=[processor.apply_chat_template(held_out[0]["messages"], tokenize=False, **chat_kwargs)],
+        images=probe_example["images"],
+        text=[processor.apply_chat_template(probe_example["messages"], tokenize=False, **chat_kwargs)],
         return_tensors="pt",
     ).to(device)
     with torch.no_grad():
         max_diff = (model(**probe).logits - reloaded(**probe).logits).abs().max().item()
     if max_diff > 1e-4:
         raise RuntimeError(f"the reloaded model's logits differ from the trained one's by {max_diff:.2e}")
+    return model_dir, reloaded, processor, max_diff
+
+
+def evaluate(model, processor, held_out: list[dict], fmt: ChatFormat, out: str, seed: int, image_size: int) -> dict:
+    """Step 6: greedy text for TEXT_PROMPT, the chat about a new scene (saved as out/question.png, 3 circles +
+    1 square) and the held-out counting accuracy; returns them as the summary's entries."""
+    from .chat import generate_replies
+    from .scenes import QUESTION, counting_accuracy, render_scene
 
     print("[6/6] generation with the reloaded model")
     text = generate_replies(
-        reloaded,
+        model,
         processor,
         [[{"role": "user", "content": TEXT_PROMPT}]],
-        max_new_tokens=48 + answer_tokens - 2,
-        chat_template_kwargs=chat_kwargs,
+        max_new_tokens=48 + fmt.answer_tokens - 2,
+        chat_template_kwargs=fmt.chat_kwargs,
         repetition_penalty=1.2,
     )[0]
     image = render_scene(random.Random(seed + 20_000), image_size, circles=3, squares=1)
-    image_path = os.path.join(out, "question.png")
-    image.save(image_path)
-    transcript = chat_transcript(reloaded, processor, image, answer_tokens, chat_kwargs)
+    image.save(os.path.join(out, "question.png"))
+    transcript = chat_transcript(model, processor, image, fmt.answer_tokens, fmt.chat_kwargs)
     answer = transcript.pop("answer")
     accuracy, per_count = counting_accuracy(
-        reloaded, processor, held_out, max_new_tokens=answer_tokens, chat_template_kwargs=chat_kwargs
+        model, processor, held_out, max_new_tokens=fmt.answer_tokens, chat_template_kwargs=fmt.chat_kwargs
     )
-
-    summary = {
-        "arch": arch,
-        "size": size,
-        "parameters": n_params,
-        "steps": steps,
-        "device": device,
-        "first_loss": history.losses[0] if history.losses else None,
-        "last_loss": history.losses[-1] if history.losses else None,
-        # text and scene batches alternate at random: the last 5 logged losses' mean is the steadier number
-        "last_loss_mean_of_5": sum(history.losses[-5:]) / len(history.losses[-5:]) if history.losses else None,
-        "reload_max_logit_diff": max_diff,
+    return {
         "generated_text": text,
         "image_question": QUESTION,
         "image_true_count": 3,
@@ -500,32 +388,115 @@ def run_quickstart(
         "held_out_counting_accuracy": accuracy,
         "held_out_per_count": per_count,
         "chance": 1 / len(per_count),
-        "seconds": round(time.time() - t0, 1),
     }
+
+
+def loss_summary(losses: list[float]) -> dict:
+    """The summary's first and last logged loss, and the mean of the last 5 (None without losses): text and
+    scene batches alternate at random, so the mean is the steadier number."""
+    if not losses:
+        return {"first_loss": None, "last_loss": None, "last_loss_mean_of_5": None}
+    return {
+        "first_loss": losses[0],
+        "last_loss": losses[-1],
+        "last_loss_mean_of_5": sum(losses[-5:]) / len(losses[-5:]),
+    }
+
+
+def write_summary(out: str, summary: dict) -> str:
+    """out/summary.json, written through a temporary file (never half written); returns its path."""
     summary_path = os.path.join(out, "summary.json")
     with open(summary_path + ".tmp", "w") as f:
         json.dump(summary, f, indent=2)
     os.replace(summary_path + ".tmp", summary_path)
+    return summary_path
 
-    print("\n== quickstart done in {:.0f} s ==".format(summary["seconds"]))
+
+def print_report(result: QuickstartResult, held_out_n: int) -> None:
+    """The closing report: loss, generated text, the chat, the answer about question.png, the accuracy, the paths."""
+    s = result.summary
+    print("\n== quickstart done in {:.0f} s ==".format(s["seconds"]))
     print(
-        f"loss {summary['first_loss']:.3f} -> {summary['last_loss_mean_of_5']:.3f} (mean of the last 5 logs)"
-        if history.losses
+        f"loss {s['first_loss']:.3f} -> {s['last_loss_mean_of_5']:.3f} (mean of the last 5 logs)"
+        if s["first_loss"] is not None
         else "no loss logged"
     )
-    print(f"generated for {TEXT_PROMPT!r}:\n    {text[:300]!r}")
-    print(f"chat ({ARCHS[arch]}'s format; the prompt as the template writes it, the reply as the model wrote it):")
-    print(f"    prompt: {transcript['prompt']!r}\n    reply:  {transcript['reply']!r}")
-    print(f"{QUESTION} ({image_path}, 3 circles + 1 square): model answers {answer!r}")
+    print(f"generated for {TEXT_PROMPT!r}:\n    {s['generated_text'][:300]!r}")
     print(
-        f"held-out counting accuracy {accuracy:.2f} on {len(held_out)} new scenes (chance {summary['chance']:.2f}; "
-        "counting is slow to learn: examples/multimodal_finetune.py's 1500 image-only steps reach 0.83-0.89)"
+        f"chat ({ARCHS[s['arch']]}'s format; the prompt as the template writes it, the reply as the model wrote it):"
     )
-    print(f"model + processor: {model_dir}\nloss plot:         {loss_plot}\nsummary:           {summary_path}")
+    print(f"    prompt: {s['chat_transcript']['prompt']!r}\n    reply:  {s['chat_transcript']['reply']!r}")
+    image_path = os.path.join(result.out, "question.png")
+    print(f"{s['image_question']} ({image_path}, 3 circles + 1 square): model answers {s['image_answer']!r}")
     print(
-        f"load it:  AutoModelForImageTextToText.from_pretrained({model_dir!r}) (trust_remote_code=True without kimi_hf)"
+        f"held-out counting accuracy {s['held_out_counting_accuracy']:.2f} on {held_out_n} new scenes "
+        f"(chance {s['chance']:.2f}; counting is slow to learn: examples/multimodal_finetune.py's 1500 image-only "
+        "steps reach 0.83-0.89)"
     )
-    return QuickstartResult(out, model_dir, loss_plot, summary_path, summary)
+    print(
+        f"model + processor: {result.model_dir}\nloss plot:         {result.loss_plot}\n"
+        f"summary:           {result.summary_path}"
+    )
+    print(
+        f"load it:  AutoModelForImageTextToText.from_pretrained({result.model_dir!r}) "
+        "(trust_remote_code=True without kimi_hf)"
+    )
+
+
+def run_quickstart(
+    out: str = "outputs/quickstart",
+    size: str = "small",
+    steps: int = 500,
+    batch_size: int = 16,
+    lr: float = 5e-3,
+    device: str = "auto",
+    seed: int = 0,
+    text_examples_n: int = 1000,
+    image_examples_n: int = 4000,
+    eval_images: int = 256,
+    image_size: int = 84,
+    progress: bool = True,
+    arch: str = "k3",
+) -> QuickstartResult:
+    """Runs the six steps (module docstring), writing OUTPUT_DIRS and OUTPUT_FILES under `out`. The arguments
+    and the output paths are checked first: a bad one raises before any work is done."""
+    check_arguments(steps, batch_size, text_examples_n, image_examples_n, eval_images, size, arch)
+    check_outputs(out)  # before the minutes of work, not after them
+    device = _device(device)
+
+    import torch
+
+    t0 = time.time()
+    torch.manual_seed(seed)
+    torch.set_flush_denormal(True)
+    os.makedirs(out, exist_ok=True)
+
+    fmt = chat_format(arch)
+    data = build_data(text_examples_n, image_examples_n, eval_images, image_size, batch_size, seed)
+    tokenizer = build_tokenizer(data, size, fmt)
+    model, processor = build_model(tokenizer, size, image_size, arch)
+    args = training_arguments(out, steps, batch_size, lr, device, seed, progress)
+    history = train_model(model, processor, data, fmt, args, device)
+    loss_plot = plot_loss(out, history, size, steps)
+    model_dir, reloaded, processor, max_diff = save_and_reload(
+        model, processor, out, device, data.held_out[0], fmt.chat_kwargs
+    )
+    results = evaluate(reloaded, processor, data.held_out, fmt, out, seed, image_size)
+
+    summary = {
+        "arch": arch,
+        "size": size,
+        "parameters": _parameters(model),
+        "steps": steps,
+        "device": device,
+        **loss_summary(history.losses),
+        "reload_max_logit_diff": max_diff,
+        **results,
+        "seconds": round(time.time() - t0, 1),
+    }
+    result = QuickstartResult(out, model_dir, loss_plot, write_summary(out, summary), summary)
+    print_report(result, len(data.held_out))
+    return result
 
 
 __all__ = [
@@ -533,6 +504,7 @@ __all__ = [
     "check_outputs",
     "small_multimodal_model",
     "small_k3_model",
+    "small_k3_config",
     "chat_transcript",
     "ARCHS",
     "text_examples",

@@ -14,18 +14,22 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from transformers import PreTrainedTokenizerFast
 
 from .models.kimi_hybrid.chat_markup_kimi_hybrid import (
+    BOS,
     CHAT_TEMPLATE,
     CHAT_TOKENS,
-    MEDIA_TOKENS,
+    EOS,
+    KIMI_MEDIA_TOKENS,
+    PAD,
     RESPONSE_TEMPLATE,
     TOOL_TOKENS,
 )
-from .models.kimi_k3.chat_template_kimi_k3 import CLOSE, END_OF_MSG, OPEN, SEP, use_k3_chat_markup
-from .models.kimi_k3.chat_template_kimi_k3 import MEDIA_TOKENS as K3_MEDIA_TOKENS
+from .models.kimi_k3.chat_template_kimi_k3 import use_k3_chat_markup
+from .models.kimi_k3.xtml_kimi_k3 import CLOSE, END_OF_MSG, K3_MEDIA_TOKENS, OPEN, SEP
 
 
-BOS, EOS, PAD = "[BOS]", "[EOS]", "[PAD]"
-SPECIAL_TOKENS = [PAD, BOS, EOS] + CHAT_TOKENS + MEDIA_TOKENS + TOOL_TOKENS
+# The trained tokenizers' special tokens, in id order; the strings are the model folders' token tables
+# (chat_markup_kimi_hybrid for Kimi's markup, xtml_kimi_k3 for K3's).
+SPECIAL_TOKENS = [PAD, BOS, EOS] + CHAT_TOKENS + KIMI_MEDIA_TOKENS + TOOL_TOKENS
 # Kimi K3's markup: <|end_of_msg|> and <|open|> special, <|close|> and <|sep|> plain (they decode literally, as in
 # K3's tokenizer), the media tokens special
 K3_SPECIAL_TOKENS = [PAD, BOS, EOS, END_OF_MSG, OPEN] + K3_MEDIA_TOKENS

@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from safetensors import safe_open
 
 import kimi_hf
 from kimi_hf.cli import main, quickstart_parser, run
+from kimi_hf.scenes import counting_examples
 
 
 SCRIPT = Path(sys.executable).parent / "kimi-hf"
@@ -224,7 +226,16 @@ def test_quickstart_end_to_end_from_the_command_line(tmp_path, arch):
         assert step in r.stdout
     summary = json.loads((out / "summary.json").read_text())
     assert summary["reload_max_logit_diff"] < 1e-4 and summary["steps"] == 3 and summary["device"] == "cpu"
-    assert summary["image_answer"] is not None and 0 <= summary["held_out_counting_accuracy"] <= 1
+    # the accuracy is a share of the 4 held-out scenes (seed 0 + 10_000), the mean of the per-count shares
+    # weighted by the scenes of each count, and printed as written to the summary
+    counts = Counter(ex["answer"] for ex in counting_examples(4, seed=10_000, size=84))
+    accuracy, per_count = summary["held_out_counting_accuracy"], summary["held_out_per_count"]
+    assert per_count.keys() == counts.keys() and summary["chance"] == 1 / len(counts)
+    assert all((per_count[c] * n).is_integer() for c, n in counts.items()), per_count
+    assert accuracy == pytest.approx(sum(per_count[c] * n for c, n in counts.items()) / 4)
+    assert f"held-out counting accuracy {accuracy:.2f} on 4 new scenes (chance {summary['chance']:.2f};" in r.stdout
+    question = f"How many circles are there? ({out / 'question.png'}, 3 circles + 1 square)"
+    assert f"{question}: model answers {summary['image_answer']!r}\n" in r.stdout
     assert Image.open(out / "loss.png").size == (640, 400)
     assert {"config.json", "model.safetensors", "processor_config.json", "tokenizer.json", "kda.py"} <= set(
         os.listdir(out / "model")

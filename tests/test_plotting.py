@@ -14,7 +14,11 @@ def test_loss_plot_is_a_png_with_the_curve(tmp_path):
     assert img.format == "PNG" and img.size == (640, 400)
     assert any(px == (31, 119, 180) for px in img.getdata())  # the line is drawn
     assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["loss.png"]  # no temp file left
-    save_loss_plot(str(tmp_path / "one.png"), [5], [1.0])  # a single point works
+    one = save_loss_plot(str(tmp_path / "one.png"), [5], [1.0])  # a single point: a dot of the curve's colour
+    with Image.open(one) as img:
+        dot = [px for px in img.convert("RGB").getdata() if px == (31, 119, 180)]
+        # at the plot's left edge (step 5 of 5..6) and bottom (the lowest loss), 5 x 5 pixels at most
+        assert img.getpixel((60, 360)) == (31, 119, 180) and 0 < len(dot) <= 25
 
 
 def test_bad_inputs():

@@ -293,9 +293,8 @@ def chunk_kda(
     """Chunked KDA (forward and backward on Triton), same contract as kimi_hf.ops.chunk_kda's
     implementations (inputs already checked): q, k [B, T, H, K]; v [B, T, H, V]; g [B, T, H, K]
     (the log-decay, or the raw forget projection f when A_log or lower_bound is given: the gate is then
-    computed inside, in fp32, and differentiated there too: g = -exp(A_log) softplus(f + dt_bias), or,
-    with lower_bound < 0, Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) with A_log
-    optional); A_log [H]; dt_bias [H * K] or None; beta [B, T, H] (logits when use_beta_sigmoid);
+    computed inside, in fp32, and differentiated there too: `common.gate_fwd` / `gate_bwd`, with lower_bound < 0
+    Kimi K3's safe gate, A_log optional); A_log [H]; dt_bias [H * K] or None; beta [B, T, H] (logits when use_beta_sigmoid);
     initial_state [N, H, K, V] fp32 or None. K and V up to 256.
     Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
     B, T, H, K = q.shape

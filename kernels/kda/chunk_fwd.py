@@ -1,7 +1,7 @@
 """Chunked KDA forward kernels (the WY / UT-transform chunking of DeltaNet and Kimi Linear, arXiv 2510.26692), one launch per stage:
 
-1. `gate_cumsum`: G = chunk-local cumsum of g, in fp32 (the gate fused in when asked: Kimi-Linear's
-   -exp(A_log) softplus(f + dt_bias), or Kimi K3's safe gate lower_bound * sigmoid(exp(A_log) (f + dt_bias))).
+1. `gate_cumsum`: G = chunk-local cumsum of g, in fp32 (the gate fused in when asked: `common.gate_fwd`,
+   Kimi-Linear's gate or Kimi K3's safe gate).
 2. `scores`: per chunk, A = Diag(beta) tril_-1(A_kk) and P = tril(A_qk) (q scaled), sub-chunk by
    sub-chunk with anchored exponents: for a block (i, j < i) every row carries exp(G_r - G_n) <= 1
    and every column exp(G_n - G_c) <= 1, with n the first row of sub-chunk i; diagonal blocks are

@@ -171,7 +171,8 @@ def gate_scale(A_log, i_h, HAS_A: tl.constexpr):
 
 @triton.jit
 def gate_fwd(x, a, lower_bound, SAFE_GATE: tl.constexpr):
-    """The fused gate on an fp32 tile x = f + dt_bias, a = `gate_scale`: the log-decay g <= 0.
+    """The fused gate on an fp32 tile x = f + dt_bias, a = `gate_scale`: the log-decay g <= 0 (the Triton
+    kernels' one statement of it; PyTorch's is kimi_hf.ops.kda_inputs.kda_gate, the same formulas).
 
     SAFE_GATE (Kimi K3, fla's safe_gate): g = lower_bound * sigmoid(a x), in [lower_bound, 0].
     Otherwise (Kimi-Linear): g = -a softplus(x).

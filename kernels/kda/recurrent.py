@@ -3,8 +3,8 @@
 One program per (value block, sequence, head) keeps its [K, BV] slice of the state in registers, in
 fp32, and walks the tokens: S <- S * exp(g_t); S <- S + k_t (beta_t (v_t - S^T k_t))^T; o_t = S^T q_t.
 The whole K dimension is in the block, so the optional q/k L2 norm (x / sqrt(sum x^2 + 1e-6)) is
-fused in, as are the gate activation (g = -exp(A_log) softplus(f + dt_bias), or Kimi K3's safe gate
-g = lower_bound * sigmoid(exp(A_log) (f + dt_bias))) and sigmoid(beta).
+fused in, as are the gate activation (`common.gate_fwd`: Kimi Linear's gate or Kimi K3's safe gate) and
+sigmoid(beta).
 Forward only: kimi_hf's dispatcher uses the PyTorch path when gradients are needed.
 """
 
@@ -112,9 +112,9 @@ def recurrent_kda(
 ):
     """Same contract as kimi_hf.ops.recurrent_kda's implementations (inputs already checked):
     q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; initial_state [N, H, K, V] fp32 or None.
-    With A_log or lower_bound, g is the raw forget input f (A_log [H], dt_bias [H * K] or None): the gate is
-    -exp(A_log) softplus(f + dt_bias), or with lower_bound < 0 the safe gate
-    lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (A_log optional); with use_beta_sigmoid, beta holds logits.
+    With A_log or lower_bound, g is the raw forget input f (A_log [H], dt_bias [H * K] or None) and the gate
+    (`common.gate_fwd`; with lower_bound < 0 the safe gate, A_log optional) is applied inside; with
+    use_beta_sigmoid, beta holds logits.
     Returns o [B, T, H, V] in q's dtype and the final state [N, H, K, V] fp32 (or None)."""
     B, T, H, K = q.shape
     V = v.shape[-1]

@@ -1,6 +1,9 @@
 """Checkpoint conversion (streaming, sharded, atomic): Kimi Linear namings, Kimi K2.5's vision
 tower, and Kimi K3 folders with their MXFP4 routed experts dequantised (`convert_k3`). Command-line
-entry points live in the repository's conversion/ folder and `kimi-hf convert`.
+entry points: `kimi-hf convert` and the repository's conversion/ folder, both through `cli`.
+
+Shared by every converter: `monitor` (peak memory, progress), `output_dir` (the atomic output folder),
+`verify` (--verify), `fp32` (the tensors kept in float32).
 
 The names below load on first use (PEP 562): importing the package for its command line stays free of
 torch (`kimi-hf convert NAME --help` answers at once)."""
@@ -12,7 +15,7 @@ _EXPORTS = {
     "CheckpointReader": (".checkpoint", "CheckpointReader"),
     "ShardedWriter": (".checkpoint", "ShardedWriter"),
     "parse_size": (".safetensors_stream", "parse_size"),
-    "peak_rss_mb": (".checkpoint", "peak_rss_mb"),
+    "peak_rss_mb": (".monitor", "peak_rss_mb"),
     "convert_kimi_linear": (".kimi_linear", "convert"),
     "verify_kimi_linear": (".kimi_linear", "verify"),
     "convert_k3": (".k3", "convert_k3"),

@@ -1,24 +1,19 @@
 """Streaming checkpoint I/O for the conversion tools: read safetensors tensors one at a time, write
-size-limited shards with an index, atomically (a temporary directory renamed at the end)."""
+size-limited shards with an index, atomically (`output_dir`: a temporary directory renamed at the end)."""
 
 from __future__ import annotations
 
 import json
 import os
-import resource
 import shutil
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..atomic_io import make_temp_dir, set_normal_mode
+from ..atomic_io import set_normal_mode
+from .output_dir import discard, install, make_output_dir
 from .safetensors_stream import INDEX, parse_size, shard_names  # noqa: F401  (parse_size: imported from here too)
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident memory so far, in MB (Linux ru_maxrss is in KB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def read_config(path: str) -> dict:
@@ -83,16 +78,16 @@ class CheckpointReader:
 
 class ShardedWriter:
     """Collects tensors into shards of at most max_shard_bytes (a bigger tensor gets a shard of its
-    own), in a temporary directory next to dst; `finish` writes the index and renames it to dst.
-    Used as a context manager, an exception removes the temporary directory: no half-written output."""
+    own), in a temporary directory next to dst (`output_dir.make_output_dir`); `finish` writes the index and
+    installs it as dst. dst must not exist (its parent is created). Used as a context manager, an exception
+    removes the temporary directory: no half-written output."""
 
     def __init__(self, dst: str, max_shard_bytes: int = 5 << 30):
         if os.path.exists(dst):
             raise FileExistsError(f"{dst} exists; choose a new output directory")
-        parent = os.path.dirname(os.path.abspath(dst)) or "."
-        os.makedirs(parent, exist_ok=True)
+        os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
         self.dst, self.max_shard_bytes = dst, max_shard_bytes
-        self.tmp = make_temp_dir(parent, ".convert-")  # normal permissions: it becomes dst
+        self.tmp = make_output_dir(dst, ".convert-")
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
         self.shards: list[list[str]] = []
@@ -137,7 +132,7 @@ class ShardedWriter:
 
     def finish(self) -> list[str]:
         """Names the shards model-0000k-of-0000N.safetensors (model.safetensors if one), writes the index
-        when sharded, renames the directory to dst. Returns the shard file names."""
+        when sharded, installs the directory as dst (`output_dir.install`). Returns the shard file names."""
         self.flush()
         n = len(self.shards)
         names = shard_names(n)
@@ -147,19 +142,8 @@ class ShardedWriter:
             weight_map.update(dict.fromkeys(keys, name))
         if n > 1:
             self.write_json(INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
-        os.rename(self.tmp, self.dst)
+        install(self.tmp, self.dst)
         return names
 
     def abort(self) -> None:
-        shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def progress(iterable, total: int, desc: str, enabled: bool = True):
-    """tqdm when available and enabled (it is a dependency of transformers), else the iterable."""
-    if not enabled:
-        return iterable
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return iterable
-    return tqdm(iterable, total=total, desc=desc, unit="layer")
+        discard(self.tmp)

@@ -17,7 +17,8 @@ import re
 import torch
 
 from ..models.kimi_hybrid.chat_markup_kimi_hybrid import IMAGE_TOKEN
-from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
+from ..models.kimi_hybrid.conversion_mapping_kimi_hybrid import moonvit_key_mapping
+from .checkpoint import CheckpointReader, ShardedWriter, read_config
 from .kimi_linear import (
     NATIVE,
     OURS,
@@ -29,10 +30,14 @@ from .kimi_linear import (
     expected_shapes,
     native_to_ours,
 )
+from .monitor import peak_rss_mb, progress
 
 
-_BLOCK = re.compile(r"^vision_tower\.encoder\.blocks\.(\d+)\.(.+)$")
-_BLOCK_RENAMES = {"norm0": "norm1", "norm1": "norm2", "mlp.fc0": "mlp.fc1", "mlp.fc1": "mlp.fc2", "wo": "attn.proj"}
+# Moonshot's MoonViT names (K2.5's tower is K3's) -> ours, relative to the tower's root: the one table, whose
+# fused `wqkv` -> `attn.qkv_proj` is K3's layout (rope_type "interleaved_2d"); this tower is built "axial" (K2.5 in
+# transformers' names), so a renamed qkv_proj is split into q/k/v_proj, q/k rows in rotate-half order (_QKV)
+_TOWER_RENAMES = [(re.compile(pattern), target) for pattern, target in moonvit_key_mapping()]
+_QKV = re.compile(r"^(layers\.\d+\.attn\.)qkv_proj\.(weight|bias)$")
 _VISION_FIELDS = (
     "patch_size",
     "hidden_size",
@@ -71,32 +76,33 @@ def vision_tensors(name: str, t: torch.Tensor, num_heads: int, file: str | None 
     return out
 
 
+def _tower_name(rest: str) -> str:
+    """A tensor name relative to the tower's root in our naming: Moonshot's renamed by the MoonViT table (the first
+    pair that matches; no target matches another source), ours (transformers' in-memory naming) unchanged."""
+    # transformers' kimi_k25 loader takes `vision_tower.encoder.` as a whole for the tower's root, patch_embed too
+    if rest.startswith("encoder.patch_embed."):
+        rest = rest.removeprefix("encoder.")
+    for pattern, target in _TOWER_RENAMES:
+        if pattern.match(rest):
+            return pattern.sub(target, rest, count=1)
+    return rest
+
+
 def _vision_tensors(name: str, t: torch.Tensor, num_heads: int):
     n = name.removeprefix("model.")
     if n.startswith(("language_model.", "lm_head.")):
         return []
-    if n.startswith("vision_tower.layers.") or n.startswith(
-        ("vision_tower.patch_embed.proj.", "vision_tower.final_layernorm.")
-    ):
-        return [(f"model.{n}", t)]  # transformers' in-memory naming: already ours
-    if n == "vision_tower.patch_embed.pos_emb.weight" or n == "vision_tower.patch_embed.pos_emb.position_embeddings":
-        return [("model.vision_tower.patch_embed.pos_emb.position_embeddings", t)]
-    if n.startswith("vision_tower.encoder.patch_embed.") or n.startswith("vision_tower.encoder.final_layernorm."):
-        return [("model." + n.replace("vision_tower.encoder.", "vision_tower."), t)]
-    if (m := _BLOCK.match(n)) is not None:
-        i, rest = m.group(1), m.group(2)
-        prefix = f"model.vision_tower.layers.{i}"
-        if rest.startswith("wqkv."):
-            q, k, v = t.chunk(3, dim=0)
-            kind = rest.split(".", 1)[1]
-            return [
-                (f"{prefix}.attn.q_proj.{kind}", interleaved_to_half(q, num_heads).contiguous()),
-                (f"{prefix}.attn.k_proj.{kind}", interleaved_to_half(k, num_heads).contiguous()),
-                (f"{prefix}.attn.v_proj.{kind}", v.contiguous()),
-            ]
-        for old, new in _BLOCK_RENAMES.items():
-            if rest.startswith(old + "."):
-                return [(f"{prefix}.{new}{rest[len(old) :]}", t)]
+    if n.startswith("vision_tower."):
+        rest = _tower_name(n.removeprefix("vision_tower."))
+        if (m := _QKV.match(rest)) is None:
+            return [(f"model.vision_tower.{rest}", t)]
+        prefix, kind = f"model.vision_tower.{m.group(1)}", m.group(2)
+        q, k, v = t.chunk(3, dim=0)
+        return [
+            (f"{prefix}q_proj.{kind}", interleaved_to_half(q, num_heads).contiguous()),
+            (f"{prefix}k_proj.{kind}", interleaved_to_half(k, num_heads).contiguous()),
+            (f"{prefix}v_proj.{kind}", v.contiguous()),
+        ]
     for old, new in (
         ("mm_projector.proj.0.", "in_proj."),
         ("mm_projector.proj.2.", "out_proj."),

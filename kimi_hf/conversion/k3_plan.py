@@ -14,16 +14,15 @@ import re
 import shutil
 from dataclasses import dataclass, field
 
+from .fp32 import k3_fp32, keeps_fp32
 from .safetensors_stream import DTYPES, FLOATS, INDEX, StoredTensor, numel, read_safetensors_header
+from .verify import verify_layer_count
 
 
 MODEL_TYPE = "kimi_k3"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
 GROUP = 32  # input elements per E8M0 scale (compressed-tensors group_size, the MX block size)
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
-# the tensors the K3 release stores in F32 (the KDA gates and short convolutions, the KDA output norm, the
-# router's correction bias): they stay F32 whatever --dtype says
-KEEP_F32 = (".A_log", ".dt_bias", "_conv1d.weight", ".o_norm.weight", ".e_score_correction_bias")
 _EXPERT = re.compile(
     r"^(?P<base>.*\.layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<w>w[123]))"
     r"\.(?P<kind>weight_packed|weight_scale|weight)$"
@@ -285,7 +284,7 @@ def plan_k3(src: str, dtype="bfloat16") -> K3Plan:
             continue
         target = t.dtype
         if t.dtype in FLOATS:
-            target = "F32" if t.name.endswith(KEEP_F32) else out_dtype
+            target = "F32" if keeps_fp32(t.name, k3_fp32()) else out_dtype  # the release's F32 tensors stay F32
             if not _exact_cast(t.dtype, target):
                 rounded.append(t.name)
         outputs.append(OutputTensor(t.name, target, t.shape, "copy", t))
@@ -365,17 +364,6 @@ def _layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def verify_layer_count(config: dict, layers: int) -> int:
-    """The layers --verify loads: all (layers 0 or >= the model's), else the first `layers`, extended to the first
-    MLA layer (the cache counts tokens in an attention layer, as in the Kimi Linear verification)."""
-    text = config["text_config"]
-    n = text["num_hidden_layers"]
-    if not layers or layers >= n:
-        return n
-    full = (text.get("linear_attn_config") or {}).get("full_attn_layers") or []
-    return min(n, max(layers, min(full) if full else 0))
-
-
 def check_verify_memory(plan: K3Plan, layers: int) -> None:
     """--verify holds one float32 copy of the model (of its first layers) at a time: refuse it up front when that
     does not fit the memory available."""
@@ -396,7 +384,6 @@ def check_verify_memory(plan: K3Plan, layers: int) -> None:
 
 __all__ = [
     "GROUP",
-    "KEEP_F32",
     "MODEL_TYPE",
     "MXFP4_FORMAT",
     "OUT_DTYPES",
@@ -409,5 +396,4 @@ __all__ = [
     "plan_k3",
     "read_k3_config",
     "read_safetensors_header",
-    "verify_layer_count",
 ]

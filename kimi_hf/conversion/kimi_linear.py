@@ -12,23 +12,22 @@ largest tensor) and the output shard being filled are in memory.
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import subprocess
-import sys
 from collections import defaultdict
 
 import torch
 
-from .checkpoint import CheckpointReader, ShardedWriter, peak_rss_mb, progress, read_config
+from .checkpoint import CheckpointReader, ShardedWriter, read_config
+from .fp32 import keeps_fp32, kimi_linear_fp32
+from .monitor import peak_rss_mb, progress
 from .tokenizer import convert_tokenizer_dir, stop_generation_at_turn_end
+from .verify import compare_logits
 
 
 OURS, NATIVE = "kimi_hybrid_text", "kimi_linear"
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(w1|w2|w3)\.weight$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_KEEP_FP32 = (".A_log", ".dt_bias", "e_score_correction_bias")  # gates and the router bias keep their precision
 _NATIVE_RENAMES = {"num_local_experts": "num_experts"}
 EXTRA_FILES = (
     "generation_config.json",
@@ -120,8 +119,9 @@ def ours_to_native(tensors):
 
 
 def cast(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-    """--dtype for one tensor: floating tensors are cast, except the gates and the router bias."""
-    if dtype is None or not t.is_floating_point() or name.endswith(_KEEP_FP32):
+    """--dtype for one tensor: floating tensors are cast, except those the model keeps in float32
+    (`fp32.kimi_linear_fp32`), which stay as the source stores them."""
+    if dtype is None or not t.is_floating_point() or keeps_fp32(name, kimi_linear_fp32()):
         return t
     return t.to(dtype)
 
@@ -332,14 +332,11 @@ def _seen_ours(written: set[str], to_ours: bool) -> set[str]:
 
 
 def verify(src: str, dst: str, layers: int = 2, atol: float = 1e-3) -> float:
-    """Loads src and dst (their first `layers` decoder layers; 0 = all) in a fresh process, with their
-    own classes, and compares the logits of random tokens. Returns the max abs difference relative to
-    the largest logit; raises if it exceeds atol."""
-    cmd = [sys.executable, "-m", "kimi_hf.conversion.verify_worker", src, dst, str(layers)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if out.returncode != 0:
-        raise RuntimeError(f"verification could not run:\n{out.stderr[-3000:]}")
-    diff = json.loads(out.stdout.strip().splitlines()[-1])["rel_max_diff"]
+    """--verify (`verify.compare_logits`): src and dst, their first `layers` decoder layers (0 = all; the
+    rule is verify.verify_layer_count's), each with its own class, in a fresh process. Returns the max abs
+    difference of the logits relative to the largest logit; raises if it exceeds atol (a tolerance: one side
+    may be transformers' implementation, the other ours)."""
+    diff = compare_logits(src, dst, layers)["rel_max_diff"]
     if not diff <= atol:
         raise ValueError(f"logits of {src} and {dst} differ by {diff:.2e} (relative), more than {atol}")
     return diff

@@ -49,6 +49,7 @@ AUTO_MAPS = {
     },
     "kimi_k3_vision": {
         "AutoConfig": "configuration_kimi_k3_vision.KimiK3VisionConfig",
+        "AutoModel": "modeling_kimi_k3_vision.KimiK3VisionModel",
     },
     "kimi_k3": {
         "AutoConfig": "configuration_kimi_k3.KimiK3Config",
@@ -103,9 +104,14 @@ def _imported_files(path: str) -> list[str]:
 
 def import_closure(modules) -> dict[str, str]:
     """{file name: source path} of the auto_map modules ("modeling_kimi_k3", ...) and every file they import
-    relatively, recursively (lazy imports included): the code a remote-code load of them runs. Raises a ValueError
-    if two of those files share a name (they would overwrite each other in the flat folder)."""
-    todo = [module_file(m) for m in modules]
+    relatively, recursively (lazy imports included): the code a remote-code load of them runs."""
+    return import_closure_of_files([module_file(m) for m in modules])
+
+
+def import_closure_of_files(paths) -> dict[str, str]:
+    """`import_closure` of source files. Raises a ValueError if two of the files share a name (they would
+    overwrite each other in the flat folder) or an import cannot be flattened."""
+    todo = [os.fspath(p) for p in paths]
     closure: dict[str, str] = {}
     while todo:
         path = os.path.realpath(todo.pop())
@@ -375,6 +381,7 @@ __all__ = [
     "export_code",
     "flatten_imports",
     "import_closure",
+    "import_closure_of_files",
     "model_modules",
     "module_file",
     "model_card",

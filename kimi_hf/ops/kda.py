@@ -153,11 +153,10 @@ def chunk_kda(
         cu_seqlens: [N + 1] integer offsets of packed sequences (FlashAttention convention; B must be 1).
         use_qk_l2norm: L2-normalise q and k per head in fp32 first.
         backend: None (by device: CUDA -> "triton", else "torch"), "torch", "reference" or "triton".
-        use_gate_in_kernel: g is the raw forget input f; the decay -exp(A_log) * softplus(f + dt_bias)
-            is computed inside (A_log [H], dt_bias [H * K] or None). fla's argument names.
-        safe_gate: Kimi K3's bounded gate (fla's `safe_gate`): with use_gate_in_kernel=True and a lower_bound,
-            the decay is g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) in [lower_bound, 0], in fp32
-            (A_log may be None: then exp(A_log) = 1). Requires use_gate_in_kernel=True and lower_bound.
+        use_gate_in_kernel: g is the raw forget input f; the decay (`kda_gate`, Kimi Linear's without a
+            lower_bound) is computed inside, in fp32 (A_log [H], dt_bias [H * K] or None). fla's argument names.
+        safe_gate: Kimi K3's bounded gate (fla's `safe_gate`; `kda_gate` with a lower_bound, in [lower_bound, 0];
+            A_log may be None). Requires use_gate_in_kernel=True and lower_bound.
         lower_bound: the bound (a finite number < 0; K3 uses -5.0). As in fla, it is what selects the bounded
             gate: lower_bound without safe_gate gives the same gate; use_gate_in_kernel=True is required.
             (fla's chunk kernel also restricts it to [-5, 0) for its bounded fast path; ours take any bound.)

@@ -1,6 +1,6 @@
 """Kimi Delta Attention: what is done to the inputs before any path runs (the q/k L2 norm, the gate
-g = -exp(A_log) softplus(f + dt_bias) or Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)),
-the casts to the compute dtype) and the input checks.
+`kda_gate` (the one statement of the gate formulas on the PyTorch side; the Triton side's is kernels/kda/common.py
+`gate_fwd`), the casts to the compute dtype) and the input checks.
 
 Part of the flat, Hub-copyable model folder: torch only.
 """
@@ -77,9 +77,8 @@ def _check_fusions(q, gate_args) -> None:
     """Checks the fused gate's arguments (use_gate_in_kernel, A_log, dt_bias, safe_gate, lower_bound):
     A_log [H], dt_bias [H * K] (or [H, K]) and the safe gate's lower bound.
 
-    Semantics (fla's): with use_gate_in_kernel=True, lower_bound selects the gate: None gives Kimi-Linear's
-    -exp(A_log) softplus(f + dt_bias) (A_log required), a number < 0 Kimi K3's bounded
-    lower_bound * sigmoid(exp(A_log) (f + dt_bias)) (A_log optional). safe_gate=True asks for the bounded gate
+    Semantics (fla's): with use_gate_in_kernel=True, lower_bound selects the gate (`kda_gate`): None gives
+    Kimi-Linear's (A_log required), a number < 0 Kimi K3's bounded safe gate (A_log optional). safe_gate=True asks for the bounded gate
     and so requires lower_bound; lower_bound alone gives the same gate (in fla, too, the formula follows
     lower_bound, and safe_gate additionally picks its bounded-gate kernel path). Without use_gate_in_kernel,
     g is already the log-decay: A_log, dt_bias, safe_gate and lower_bound are refused.

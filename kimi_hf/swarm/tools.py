@@ -5,8 +5,8 @@ A tool call is parsed from generated text with transformers' own parser when the
 (<|open|>tools<|sep|><|open|>call tool="NAME" index="1"<|sep|>...<|close|>call<|sep|><|close|>tools<|sep|>, read by
 `parse_k3_reply`), Kimi K2's markup
 (<|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{json}<|tool_call_end|>) or the
-common <tool_call>{"name": ..., "arguments": {...}}</tool_call> form. `format_tool_calls` writes K2's markup or,
-with markup="k3", the reply a K3 model writes (rendered by K3's chat template).
+common <tool_call>{"name": ..., "arguments": {...}}</tool_call> form. `format_tool_calls` writes K2's markup
+(rendered by Kimi's chat template) or, with markup="k3", the reply a K3 model writes (rendered by K3's).
 """
 
 from __future__ import annotations
@@ -25,9 +25,12 @@ from ..models.kimi_hybrid.chat_markup_kimi_hybrid import (
     TOOL_CALL_BEGIN,
     TOOL_CALL_END,
     TOOL_CALLS_BEGIN,
-    TOOL_CALLS_END,
+    TURN_END,
+    render_kimi_reply,
 )
-from ..models.kimi_k3.chat_template_kimi_k3 import CLOSE, OPEN, parse_k3_reply, render_k3_reply
+from ..models.kimi_k3.chat_template_kimi_k3 import render_k3_reply
+from ..models.kimi_k3.reply_parser_kimi_k3 import parse_k3_reply
+from ..models.kimi_k3.xtml_kimi_k3 import CLOSE, OPEN
 
 
 CREATE_SUBAGENT = {
@@ -158,16 +161,17 @@ def format_tool_calls(calls: list[tuple[str, dict]] | list[ToolCall], content: s
     closed, `content` in the response channel, the calls, `<|end_of_msg|>`)."""
     pairs = [(c.name, c.arguments) if isinstance(c, ToolCall) else tuple(c) for c in calls]
     if markup == "k3":
-        return render_k3_reply(
-            content, [{"type": "function", "function": {"name": name, "arguments": args}} for name, args in pairs]
-        )
+        return render_k3_reply(content, [_openai_call(name, args) for name, args in pairs])
     if markup != "kimi":
         raise ValueError(f"markup must be 'kimi' or 'k3', got {markup!r}")
-    parts = []
-    for i, (name, args) in enumerate(pairs):
-        args = args if isinstance(args, str) else json.dumps(args)
-        parts.append(f"{TOOL_CALL_BEGIN}functions.{name}:{i}{TOOL_CALL_ARGUMENT_BEGIN}{args}{TOOL_CALL_END}")
-    return content + (TOOL_CALLS_BEGIN + "".join(parts) + TOOL_CALLS_END if parts else "")
+    # Kimi's chat template writes the calls (ids functions.NAME:IDX, as none is given); dict arguments go in as
+    # json.dumps' text (ASCII-escaped, as this function has always written them), not the template's tojson
+    calls = [_openai_call(name, args if isinstance(args, str) else json.dumps(args)) for name, args in pairs]
+    return render_kimi_reply(content, calls).removesuffix(TURN_END)  # up to the turn's end, which it leaves out
+
+
+def _openai_call(name: str, arguments) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 @dataclass

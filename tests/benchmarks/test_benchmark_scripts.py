@@ -1,5 +1,6 @@
-"""The benchmark scripts run end to end at toy sizes (their numbers are not checked: machines are noisy), and
-their shared timing helper (benchmarks/common.py) reports spreads and warnings right, on synthetic timings."""
+"""The benchmark scripts run end to end at toy sizes and print the tables their arguments determine (headers, and
+rows by their sizes, modes or steps; the timings are not checked: machines are noisy), and their shared timing
+helper (benchmarks/common.py) reports spreads and warnings right, on synthetic timings."""
 
 import math
 import subprocess
@@ -101,6 +102,98 @@ CASES = {
 }
 
 
+# the tables each script prints at CASES' arguments: (header, rows), the rows given by their leading cells (what the
+# arguments determine: sizes, modes, steps) or, where every cell is a measurement, by their number
+FWD_KDA = "| T | ours ms | hf chunk ms | hf loop ms | spread | vs hf chunk | vs hf loop |"  # --no-memory
+CHUNK_KDA_CUDA = "| T | mode | ours ms | fla ms | spread | ours / fla time | ours MB | fla MB |"
+TABLES = {
+    "attn_res.py": [
+        (
+            "| | final val loss | s/step in training | fwd+bwd s, interleaved | spread | overhead (interleaved) |",
+            ["baseline", "Block AttnRes"],
+        ),
+        ("| sublayer | input RMS baseline | input RMS AttnRes |", ["0 (attn)", "1 (mlp)", "2 (attn)", "3 (mlp)"]),
+        ("| layer | grad norm baseline | grad norm AttnRes |", ["0", "1"]),
+    ],
+    "conversion.py": [
+        (
+            "| checkpoint MB | largest tensor MB | shard MB | output shards | import-only MB | converter peak MB "
+            "| peak - import-only MB |",
+            1,
+        )
+    ],
+    "k3.py": [
+        ("| T | K3 ms | off ms | spread | K3 / off |", ["64"]),
+        ("| K3 tokens/s | off tokens/s | spread | K3 / off time |", 1),
+        (
+            "| on disk MB | shards | load s | peak growth MB: allocated (RssAnon) | mapped shards (RssFile) "
+            "| bf16 model + largest shard MB | allocated / budget |",
+            1,
+        ),
+    ],
+    "kda.py": [
+        (FWD_KDA, ["64", "128"]),  # forward
+        (FWD_KDA, ["64", "128"]),  # forward+backward
+        (
+            "| T | mode | plain ms | safe ms | spread | safe / plain |",
+            [("64", "fwd"), ("64", "fwd+bwd"), ("128", "fwd"), ("128", "fwd+bwd")],
+        ),
+    ],
+    "kda_cuda.py": [
+        ("| dtype | impl | o | S | dq | dk | dv | dg | dbeta | dh0 |", [("float32", "ours")]),
+        (CHUNK_KDA_CUDA, [("64", "fwd"), ("64", "fwd+bwd")]),  # precomputed gate
+        (CHUNK_KDA_CUDA, [("64", "fwd"), ("64", "fwd+bwd")]),  # fused gate
+        ("| B | ours us | fla us | spread | ours / fla time | max abs diff |", ["1"]),
+    ],
+    "model.py": [
+        ("| T | ours ms | native ms | spread | speed-up |", ["64"]),
+        ("| prompt | ours tokens/s | native tokens/s | spread | ratio |", ["128", "64"]),
+        ("| prompt | eager tokens/s | compiled tokens/s | spread | speed-up |", ["128", "64"]),
+        ("| T | hybrid bytes/token | all-MLA bytes/token | ratio |", ["64"]),
+    ],
+    "muon_vs_adamw.py": [("| step | AdamW val loss | MuonClip val loss |", ["2", "4"])],
+    "optimizer_step.py": [
+        (
+            "| hidden | params | Muon matrices | MuonClip ms | MuonClip (bf16 NS) ms | torch Muon + AdamW ms | spread "
+            "| ratio | ratio (bf16 NS) |",
+            ["64"],
+        )
+    ],
+    "qk_clip.py": [
+        (
+            "| step | loss (no clip) | max logit (no clip) | loss (QK-Clip) | max logit (QK-Clip) | heads clipped so far |",
+            ["1", "2", "3"],
+        )
+    ],
+    "vision.py": [("| images | ours ms | kimi_k25 ms | spread | speed-up | max abs diff |", ["1"])],
+}
+
+
+def markdown_tables(text: str) -> list[tuple[str, list[list[str]]]]:
+    """The markdown tables in `text`: (header line, rows as lists of stripped cells). Every table has its |---|
+    line and every row the header's number of cells; HTML comments between rows (a peer's failure) are skipped."""
+
+    def cells(line):
+        return [c.strip() for c in line.strip()[1:-1].split("|")]
+
+    lines, tables, i = text.splitlines(), [], 0
+    while i < len(lines):
+        header = lines[i].strip()
+        if not header.startswith("|"):
+            i += 1
+            continue
+        n = len(cells(header))
+        assert i + 1 < len(lines) and lines[i + 1].strip() == "|---" * n + "|", (header, lines[i + 1 : i + 2])
+        rows, i = [], i + 2
+        while i < len(lines) and lines[i].strip().startswith(("|", "<!--")):
+            if lines[i].strip().startswith("|"):
+                assert len(cells(lines[i])) == n, (header, lines[i])
+                rows.append(cells(lines[i]))
+            i += 1
+        tables.append((header, rows))
+    return tables
+
+
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_benchmark_script_runs(script, tmp_path):
     args = [a.format(tmp=tmp_path) for a in CASES[script]]
@@ -108,9 +201,28 @@ def test_benchmark_script_runs(script, tmp_path):
         [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, timeout=600, cwd=tmp_path
     )
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "|" in out.stdout  # printed its table
+    tables = markdown_tables(out.stdout)
+    assert [header for header, _ in tables] == [header for header, _ in TABLES[script]], out.stdout
+    for (header, rows), (_, expected) in zip(tables, TABLES[script]):
+        if isinstance(expected, int):
+            assert len(rows) == expected, (header, rows)
+        else:
+            keys = [key if isinstance(key, tuple) else (key,) for key in expected]
+            assert [tuple(row[: len(key)]) for row, key in zip(rows, keys)] == keys and len(rows) == len(keys), (
+                header,
+                rows,
+            )
     if script in TIMED:  # the spread of the repeats is part of every timing's report
         assert "spread" in out.stdout
+
+
+def test_markdown_tables_reads_headers_rows_and_refuses_ragged_ones():
+    text = "# title\n| a | b |\n|---|---|\n| 1 | x |\n<!-- note -->\n| 2 | |\n\nafter\n| c |\n|---|\n"
+    assert markdown_tables(text) == [("| a | b |", [["1", "x"], ["2", ""]]), ("| c |", [])]
+    with pytest.raises(AssertionError):
+        markdown_tables("| a | b |\n|---|---|\n| 1 |\n")  # a row short of a cell
+    with pytest.raises(AssertionError):
+        markdown_tables("| a | b |\n| 1 | 2 |\n")  # no |---| line
 
 
 def test_timing_spread_is_the_interquartile_range_over_the_median():

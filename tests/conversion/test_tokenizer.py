@@ -14,7 +14,6 @@ from transformers import AutoTokenizer
 
 from kimi_hf.conversion.tokenizer import (
     K3_ROLES,
-    K3_SPECIAL_TOKENS,
     chat_stop_token_ids,
     convert_tokenizer_dir,
     generation_token_ids,
@@ -23,6 +22,7 @@ from kimi_hf.conversion.tokenizer import (
     tokenizer_family,
 )
 from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, K3_RESPONSE_TEMPLATE
+from kimi_hf.models.kimi_k3.xtml_kimi_k3 import K3_TOKEN_OFFSETS
 
 from .test_convert_kimi_linear import convert_kimi_linear, native_dir  # noqa: F401  (fixture)
 
@@ -107,7 +107,7 @@ def write_k3_tokenizer(folder, flags=True):
         e = {"content": name, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
         return e | ({"special": special} if flags else {})
 
-    decoder = {str(n + off): entry(name, special) for off, (name, special) in K3_SPECIAL_TOKENS.items()}
+    decoder = {str(n + off): entry(name, special) for off, (name, special) in K3_TOKEN_OFFSETS.items()}
     for off in range(256):  # K3 names the reserved ids too, by their own id
         decoder.setdefault(str(n + off), entry(f"<|reserved_token_{n + off}|>", True))
     cfg = {
@@ -129,7 +129,7 @@ def k3_fast(folder, **kwargs):
 
 def test_k3_table_is_the_released_one():
     # the released ids (163584 ranks), as K3's tokenizer_config.json lists them
-    released = {163584 + off: name for off, (name, _) in K3_SPECIAL_TOKENS.items()}
+    released = {163584 + off: name for off, (name, _) in K3_TOKEN_OFFSETS.items()}
     assert released == {
         163584: "[BOS]",
         163585: "[EOS]",
@@ -148,14 +148,14 @@ def test_k3_table_is_the_released_one():
         163838: "[UNK]",
         163839: "[PAD]",
     }
-    assert [name for name, special in K3_SPECIAL_TOKENS.values() if not special] == ["<|close|>", "<|sep|>"]
+    assert [name for name, special in K3_TOKEN_OFFSETS.values() if not special] == ["<|close|>", "<|sep|>"]
 
 
 @pytest.mark.parametrize("flags", [True, False], ids=["config_flags", "k3_default_flags"])
 def test_k3_ids_and_special_flags(tmp_path, flags):
     n, fast = k3_fast(tmp_path, flags=flags)
     assert len(fast) == n + 256
-    for off, (name, special) in K3_SPECIAL_TOKENS.items():
+    for off, (name, special) in K3_TOKEN_OFFSETS.items():
         assert fast.convert_tokens_to_ids(name) == n + off, name
         assert fast.added_tokens_decoder[n + off].special is special, name
         assert fast.encode(name) == [n + off], name  # matched whole
@@ -204,7 +204,7 @@ def test_k3_saved_folder_reloads(tmp_path):
     # K3 ships no chat template (its prompt is built in Python): the converted tokenizer carries K3's
     assert len(tok) == n + 256 and tok.chat_template == K3_CHAT_TEMPLATE
     assert tok.response_template == K3_RESPONSE_TEMPLATE
-    for off, (name, special) in K3_SPECIAL_TOKENS.items():
+    for off, (name, special) in K3_TOKEN_OFFSETS.items():
         assert tok.convert_tokens_to_ids(name) == n + off and tok.added_tokens_decoder[n + off].special is special
     ids = tok.encode(K3_MARKUP)
     assert tok.decode(ids) == K3_MARKUP

@@ -21,8 +21,9 @@ from pathlib import Path
 import pytest
 
 from kimi_hf.conversion import convert_k3
-from kimi_hf.conversion.tokenizer import K3_SPECIAL_TOKENS, convert_tokenizer_dir, tiktoken_to_fast
+from kimi_hf.conversion.tokenizer import convert_tokenizer_dir, tiktoken_to_fast
 from kimi_hf.models.kimi_hybrid.chat_markup_kimi_hybrid import CHAT_TEMPLATE
+from kimi_hf.models.kimi_k3.xtml_kimi_k3 import K3_TOKEN_OFFSETS
 
 from ..models.kimi_k3.release_format import tiny_k3_chat_config, write_k3_checkpoint, write_k3_tokenizer_files
 from . import transformers4_venv
@@ -280,7 +281,7 @@ def test_converted_tokenizer_is_the_same_in_transformers_4_and_5(family, folders
     assert new["encode"][TEXTS.index("[BOS]hello[EOS][PAD][UNK][BOS]")] == [n, 259, n + 1, n + 255, n + 254, n]
     assert new["model_input_names"] == ["input_ids", "attention_mask"] and new["padding_side"] == "left"
     if family == "k3":
-        for off, (name, special) in K3_SPECIAL_TOKENS.items():
+        for off, (name, special) in K3_TOKEN_OFFSETS.items():
             assert new["added_tokens"][str(n + off)] == [name, special], name
         markup = new["encode"][2]
         assert markup[0] == n + 3 and markup[-4:] == [n + 4, new["vocab"]["message"], n + 5, n + 2]

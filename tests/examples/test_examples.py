@@ -123,11 +123,16 @@ def test_generate_streams_text_and_answers_about_an_image(quickstart_model, tmp_
 
     image = tmp_path / "scene.png"
     render_scene(random.Random(0), 84, circles=2).save(image)
-    out = load("generate").main(["--model", quickstart_model, "--max-new-tokens", "6", "--image", str(image)])
+    argv = ["--model", quickstart_model, "--max-new-tokens", "6", "--image", str(image)]
+    out = load("generate").main(argv)
     printed = capsys.readouterr().out
-    assert "> Write some Python." in printed and f"> [{image}]" in printed
-    assert isinstance(out["text"], str) and isinstance(out["answer"], str)
-    assert out["text"] in printed  # streamed
+    # the reply and the answer streamed, each on its line after its prompt (K3: the response channel only)
+    assert out.keys() == {"text", "answer"}
+    expected = f"> Write some Python.\n{out['text']}\n\n> [{image}] How many circles are there?\n{out['answer']}\n"
+    assert printed == expected
+    # greedy: printed at the end instead of streamed, the same replies and the same output
+    assert load("generate").main([*argv, "--no-stream"]) == out
+    assert capsys.readouterr().out == expected
 
 
 def test_push_to_hub_dry_run_and_upload(quickstart_model, tmp_path, monkeypatch):
@@ -203,7 +208,7 @@ def test_lora_finetune_kimi_k3(tmp_path):
 
     import kimi_hf
     from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
-    from kimi_hf.quickstart import small_k3_model
+    from kimi_hf.presets import small_k3_model
     from kimi_hf.tokenization import train_tokenizer
 
     example = load("lora_finetune")
@@ -234,8 +239,9 @@ def test_k3_from_scratch(tmp_path, capsys):
     assert same and losses[-1] < losses[0]
     out = capsys.readouterr().out
     assert f"loss plot: {tmp_path / 'k3_loss.png'}" in out
-    with Image.open(tmp_path / "k3_loss.png") as img:
-        assert img.format == "PNG"
+    with Image.open(tmp_path / "k3_loss.png") as img:  # a real PNG with the loss curve drawn
+        assert img.format == "PNG" and img.size == (640, 400)
+        assert (31, 119, 180) in set(img.convert("RGB").getdata())
     config = json.loads((tmp_path / "model" / "config.json").read_text())
     assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
     with safe_open(str(tmp_path / "model" / "model.safetensors"), "pt") as f:

@@ -9,45 +9,11 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kimi_hf.ops.kda as kda_mod
 from kimi_hf.ops import chunk_kda, l2norm, naive_recurrent_kda, recurrent_kda
 
-
-TOL = 1e-4
-
-
-def rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt().clamp_min(1e-30)).item()
-
-
-def make_inputs(B, T, H, K, V, *, gate=1.0, dtype=torch.float32, seed=0, strong_channels=0):
-    gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, T, H, K, generator=gen)
-    k = F.normalize(torch.randn(B, T, H, K, generator=gen), dim=-1)
-    v = torch.randn(B, T, H, V, generator=gen)
-    g = -torch.rand(B, T, H, K, generator=gen) * gate
-    if strong_channels:
-        g[..., :strong_channels] = -30.0  # per-step decay of e^-30 on some channels
-    beta = torch.rand(B, T, H, generator=gen)
-    return [x.to(dtype) for x in (q, k, v, g, beta)]
-
-
-def run_with_grads(fn, inputs, h0, weights=None, **kw):
-    """Runs fn and backpropagates a fixed random weighting (w_o, w_S) of o and the final state;
-    returns o, S and the gradients of the inputs (and of h0)."""
-    xs = [x.detach().clone().requires_grad_() for x in inputs]
-    h = None if h0 is None else h0.detach().clone().requires_grad_()
-    o, S = fn(*xs, initial_state=h, output_final_state=True, **kw)
-    if weights is None:
-        gen = torch.Generator().manual_seed(123)
-        weights = torch.randn(o.shape, generator=gen), torch.randn(S.shape, generator=gen)
-    loss = (o.float() * weights[0]).sum() + (S * weights[1]).sum()
-    loss.backward()
-    grads = [x.grad for x in xs] + ([] if h is None else [h.grad])
-    return o, S, grads
+from .kda_helpers import LOWER_BOUND, TOL, make_inputs, rel_rms, run_with_grads, safe_gate_fp64, safe_gate_inputs
 
 
 @pytest.mark.parametrize(
@@ -395,31 +361,6 @@ def test_value_checks_do_not_break_compile_or_export():
 # --------------------------------------------------------------------------------------------
 # Kimi K3's safe gate: g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias))
 # --------------------------------------------------------------------------------------------
-LOWER_BOUND = -5.0  # Kimi K3's value
-
-
-def safe_gate_fp64(f, A_log, dt_bias, lower_bound):
-    """The K3 gate written out in fp64, independently of kda_gate: dt_bias added to f first, times the
-    per-head exp(A_log) (1 without A_log, as in fla), sigmoid, times lower_bound. f [B, T, H, K]."""
-    H, K = f.shape[-2:]
-    x = f.double() + dt_bias.double().reshape(H, K)
-    if A_log is not None:
-        x = A_log.double().exp().reshape(H, 1) * x
-    return lower_bound / (1.0 + torch.exp(-x))
-
-
-def _safe_gate_inputs(T, H, K, V, N, seed):
-    """q, k, v, f (raw forget input, either sign, some channels saturating both ends), beta, A_log, dt_bias, h0."""
-    q, k, v, f, beta = make_inputs(1, T, H, K, V, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    f = torch.randn(f.shape, generator=gen) * 3
-    f[..., 0], f[..., 1] = 30.0, -30.0  # sigmoid saturated: g = lower_bound (the strongest decay) and g = 0
-    A_log = torch.linspace(-0.5, 1.0, H)
-    dt_bias = torch.randn(H * K, generator=gen) * 0.5
-    h0 = torch.randn(N, H, K, V, generator=gen)
-    return q, k, v, f, beta, A_log, dt_bias, h0
-
-
 @pytest.mark.parametrize("with_A_log", [True, False])
 @pytest.mark.parametrize("backend", ["torch", "reference"])
 @pytest.mark.parametrize("fn", [chunk_kda, recurrent_kda])
@@ -429,7 +370,7 @@ def test_safe_gate_matches_the_fp64_formula(fn, backend, with_A_log):
     gradients of every input (A_log and dt_bias included) against the fp64 gate formula fed to the fp64
     token loop."""
     cu = torch.tensor([0, 9, 9, 75])
-    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(75, 2, 8, 8, 3, seed=21)
+    q, k, v, f, beta, A_log, dt_bias, h0 = safe_gate_inputs(75, 2, 8, 8, 3, seed=21)
     A_log = A_log if with_A_log else None
     tensors = [q, k, v, f, beta, h0, dt_bias] + ([A_log] if with_A_log else [])
     gen = torch.Generator().manual_seed(5)
@@ -467,7 +408,7 @@ def test_safe_gate_gradcheck_float64(fn, backend):
     """Exact-arithmetic gradients of the safe gate's inputs f, A_log and dt_bias through the whole op
     (packed sequences, initial states), on tiny shapes."""
     cu = torch.tensor([0, 2, 7])
-    q, k, v, f, beta, A_log, dt_bias, h0 = (x.double() for x in _safe_gate_inputs(7, 2, 4, 3, 2, seed=8))
+    q, k, v, f, beta, A_log, dt_bias, h0 = (x.double() for x in safe_gate_inputs(7, 2, 4, 3, 2, seed=8))
     f = f / 6  # away from saturation: finite differences see the curvature
 
     def op(f, A_log, dt_bias):
@@ -483,7 +424,7 @@ def test_safe_gate_gradcheck_float64(fn, backend):
 def test_lower_bound_selects_the_bounded_gate_as_in_fla(fn):
     """fla's semantics: with use_gate_in_kernel=True the formula follows lower_bound (safe_gate=True only
     insists on one): the same results with or without safe_gate; A_log=None means exp(A_log) = 1."""
-    q, k, v, f, beta, A_log, dt_bias, _ = _safe_gate_inputs(70, 2, 8, 8, 1, seed=3)
+    q, k, v, f, beta, A_log, dt_bias, _ = safe_gate_inputs(70, 2, 8, 8, 1, seed=3)
     gate = dict(use_gate_in_kernel=True, lower_bound=LOWER_BOUND, dt_bias=dt_bias)
     o_safe, S_safe = fn(q, k, v, f, beta, output_final_state=True, safe_gate=True, A_log=A_log, **gate)
     o, S = fn(q, k, v, f, beta, output_final_state=True, A_log=A_log, **gate)

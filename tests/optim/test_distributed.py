@@ -32,7 +32,7 @@ def build(arch: str):
     if arch == "hybrid":
         return KimiHybridForCausalLM(config())
     from kimi_hf import KimiK3ForConditionalGeneration
-    from kimi_hf.quickstart import small_k3_config
+    from kimi_hf.presets import small_k3_config
 
     cfg = small_k3_config(64, 4, vocab_size=100, media_token_id=99, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     return KimiK3ForConditionalGeneration._from_config(cfg, attn_implementation="eager")

@@ -62,4 +62,8 @@ def test_trainer_with_optimizer_cls_and_kwargs_splits_by_role(tmp_path):
     assert muon and any(p is model.model.layers[0].self_attn.q_proj.weight for g in muon for p in g["params"])
     # vectors (norms, biases, A_log, dt_bias) get no weight decay
     assert {g["weight_decay"] for g in opt.param_groups} == {0.0, 0.1}
-    assert opt.qk_clip is not None and opt.qk_clip.last_max_logit is not None
+    # QK-Clip ran at the last step over every attention module's heads; tau = 100 is far above a tiny model's logits
+    qk = opt.qk_clip
+    assert qk is not None and len(qk.last_head_max) == len(qk.modules) > 0
+    assert qk.last_max_logit == max(heads.max().item() for heads in qk.last_head_max)
+    assert 0 < qk.last_max_logit < qk.tau == 100.0 and qk.total_clipped_heads == 0

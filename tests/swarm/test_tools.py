@@ -1,7 +1,10 @@
 """Tool-call markup: Kimi's format through the chat template and back, the <tool_call> form, schemas."""
 
+import json
+
 import pytest
 
+from kimi_hf.models.kimi_hybrid.chat_markup_kimi_hybrid import TURN_END, render_kimi_reply
 from kimi_hf.swarm import ORCHESTRATOR_TOOLS, Tool, ToolCall, as_tools, format_tool_calls, parse_tool_calls
 
 from ..models.kimi_hybrid.helpers import tiny_tokenizer
@@ -17,6 +20,22 @@ def test_kimi_markup_round_trip():
         ("assign_task", {"agent": "a", "task": "x"}, "functions.assign_task:0"),
         ("create_subagent", {"name": "b"}, "functions.create_subagent:1"),
     ]
+
+
+def test_kimi_markup_is_what_the_chat_template_writes():
+    # the chat template's tool-call format, short of the turn's end; dict arguments as json.dumps writes them
+    text = format_tool_calls([("f", {"city": "Zürich"}), ("g", '{"raw": 1}')], "ok")
+    assert text == (
+        "ok<|tool_calls_section_begin|><|tool_call_begin|>functions.f:0<|tool_call_argument_begin|>"
+        '{"city": "Z\\u00fcrich"}<|tool_call_end|><|tool_call_begin|>functions.g:1<|tool_call_argument_begin|>'
+        '{"raw": 1}<|tool_call_end|><|tool_calls_section_end|>'
+    )
+    calls = [
+        {"function": {"name": "f", "arguments": json.dumps({"city": "Zürich"})}},
+        {"name": "g", "arguments": '{"raw": 1}'},
+    ]
+    assert text + TURN_END == render_kimi_reply("ok", calls)
+    assert format_tool_calls([], "just text") == "just text"
 
 
 def test_hermes_form_and_malformed_arguments():

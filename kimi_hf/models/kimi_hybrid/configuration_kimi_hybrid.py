@@ -13,96 +13,12 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
 from .configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, TRANSFORMERS_GENERIC_FIELDS, KimiHybridVisionConfig
+from .parallel_kimi_hybrid import EP_PLAN, pp_plan_for, tp_plan_for
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
 MLP_LAYER_TYPES = ("dense", "sparse")  # SwiGLU, MoE
 ATTN_RESIDUALS = ("none", "block", "full")
-
-# self_attn children that only one mixer kind has (both kinds share q_proj and o_proj)
-_KDA_ONLY = (
-    "k_proj",
-    "v_proj",
-    "q_conv1d",
-    "k_conv1d",
-    "v_conv1d",
-    "f_b_proj",
-    "g_b_proj",
-    "b_proj",
-    "A_log",
-    "dt_bias",
-    "o_norm",
-)
-_MLA_ONLY = ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-
-# Tensor parallelism (docs/parallelism.md). KDA and MLA layers are both `self_attn`, so one rule can cover a
-# projection of either kind. Both shard by head: colwise projections keep this rank's heads (rows), the op runs
-# on local heads (views use -1 heads), o_proj is rowwise (the one all-reduce of the mixer). Replicated: KDA's
-# f_a_proj / g_a_proj (the low-rank gate inputs, shared by heads), MLA's q_a_proj / q_a_layernorm /
-# kv_a_layernorm (the latents, shared by heads), the router, the norms and the depth attention (AttnRes).
-TP_PLAN = {
-    # KDA: q/k/v and their depthwise short convs (channels = heads x head_dim), the per-head decay (A_log),
-    # gate bias (dt_bias), beta (b_proj) and low-rank gate outputs (f_b_proj, g_b_proj)
-    "layers.*.self_attn.q_proj": "colwise",  # also MLA's q_proj (q_lora_rank None)
-    "layers.*.self_attn.k_proj": "colwise",
-    "layers.*.self_attn.v_proj": "colwise",
-    # a param-only rule shards the conv weight [D, 1, W] on its channels (embedding_rowwise: Shard(0), no
-    # forward hook); local_params runs the conv's forward on its local weight
-    "layers.*.self_attn.q_conv1d.weight": "embedding_rowwise",
-    "layers.*.self_attn.k_conv1d.weight": "embedding_rowwise",
-    "layers.*.self_attn.v_conv1d.weight": "embedding_rowwise",
-    "layers.*.self_attn.q_conv1d": "local_params",
-    "layers.*.self_attn.k_conv1d": "local_params",
-    "layers.*.self_attn.v_conv1d": "local_params",
-    "layers.*.self_attn.f_b_proj": "colwise",
-    "layers.*.self_attn.g_b_proj": "colwise",
-    "layers.*.self_attn.b_proj": "colwise",
-    "layers.*.self_attn.A_log": "colwise",  # bare 1-D parameters: Shard(0), read locally (local_params below)
-    "layers.*.self_attn.dt_bias": "colwise",
-    "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",  # one weight for all heads: partial grads
-    # MLA: per-head queries and key/value expansion; the latent projection stays replicated (mla_kv_a_proj
-    # sums the gradient of the rope key, which every head reads)
-    "layers.*.self_attn.q_b_proj": "colwise",
-    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
-    "layers.*.self_attn.kv_b_proj": "colwise",
-    # Kimi K3's output gates, per head channel: KDA's full-rank g_proj [H K, hidden], MLA's g_proj [H v, hidden]
-    "layers.*.self_attn.g_proj": "colwise",
-    "layers.*.self_attn.o_proj": "rowwise",  # KDA and MLA
-    "layers.*.self_attn": "local_params",
-    # MoE (as transformers' kimi_linear / deepseek_v3): every expert's intermediate dim split over the ranks
-    "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
-    "layers.*.mlp.experts.down_proj": "rowwise",
-    "layers.*.mlp.experts": "moe_tp_experts",
-    "layers.*.mlp.shared_experts.gate_proj": "colwise",
-    "layers.*.mlp.shared_experts.up_proj": "colwise",
-    "layers.*.mlp.shared_experts.down_proj": "rowwise",
-    # dense SwiGLU layers
-    "layers.*.mlp.gate_proj": "colwise",
-    "layers.*.mlp.up_proj": "colwise",
-    "layers.*.mlp.down_proj": "rowwise",
-}
-# Expert parallelism (`DistributedConfig(tp_size=N, ep_size=N)`): whole experts per rank, dispatched by
-# transformers' EP implementations; takes precedence over the experts' TP rules.
-EP_PLAN = {
-    "layers.*.mlp.experts.gate_up_proj": "grouped_gemm",
-    "layers.*.mlp.experts.down_proj": "grouped_gemm",
-    "layers.*.mlp.experts": "ep_dispatch_experts",
-}
-# What each stage passes on. With Attention Residuals (attn_residual != "none") a layer maps the partial sum
-# and the completed depth blocks to the same pair, and the final depth attention precedes the norm: the
-# instance's plan then is ATTN_RES_PP_PLAN (transformers' naive pipeline, which sends one tensor between stages,
-# cannot run it: see docs/parallelism.md).
-PP_PLAN = {
-    "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-    "layers": (["hidden_states", "attention_mask"], ["hidden_states"]),
-    "norm": (["hidden_states"], ["hidden_states"]),
-}
-ATTN_RES_PP_PLAN = {
-    "embed_tokens": (["input_ids"], ["inputs_embeds"]),
-    "layers": (["hidden_states", "depth_blocks", "attention_mask"], ["hidden_states", "depth_blocks"]),
-    "final_res": (["depth_blocks", "hidden_states"], ["hidden_states"]),
-    "norm": (["hidden_states"], ["hidden_states"]),
-}
 
 
 def kimi_linear_layer_types(num_layers: int) -> list[str]:
@@ -229,8 +145,8 @@ class KimiHybridTextConfig(PreTrainedConfig):
             beta tanh(a / beta) sigmoid(a) * linear_beta tanh(up / linear_beta), fp32.
         kda_full_rank_output_gate: the KDA output gate is one full-rank g_proj [H K, hidden] (K3) instead of
             Kimi Linear's low-rank g_a_proj / g_b_proj.
-        kda_gate_lower_bound: the KDA "safe gate" g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)) (K3: -5.0)
-            instead of -exp(A_log) * softplus(f + dt_bias).
+        kda_gate_lower_bound: the lower bound of KDA's "safe gate" (kimi_hf.ops.kda_inputs.kda_gate; K3: -5.0)
+            instead of Kimi Linear's unbounded gate.
         mla_use_output_gate: MLA output multiplied per channel by sigmoid(g_proj(x)) before o_proj (K3).
         mla_latent_norm_eps: eps of MLA's q_a_layernorm / kv_a_layernorm (1e-6 in Kimi Linear's and K3's code,
             which build them without an eps argument).
@@ -253,7 +169,7 @@ class KimiHybridTextConfig(PreTrainedConfig):
         "num_expert_group": "n_group",
         "model_max_length": "max_position_embeddings",
     }
-    # The parallel plans (docs/parallelism.md): TP_PLAN, EP_PLAN and PP_PLAN / ATTN_RES_PP_PLAN below, read through
+    # The parallel plans (docs/parallelism.md, parallel_kimi_hybrid.py): TP_PLAN, EP_PLAN and PP_PLAN / ATTN_RES_PP_PLAN, read through
     # the properties base_model_tp_plan / base_model_pp_plan, which follow the instance's architecture.
     base_model_ep_plan = EP_PLAN
 
@@ -368,34 +284,12 @@ class KimiHybridTextConfig(PreTrainedConfig):
         """TP_PLAN without the rules for modules this architecture lacks (q_b_proj without q_lora_rank, KDA or MLA
         rules without such layers, ...), which transformers would otherwise warn about at every load. A property:
         it follows attributes changed after construction, and transformers never serializes it."""
-        absent = set()
-        if self.q_lora_rank is None:
-            absent.add("q_b_proj")
-        elif "linear_attention" not in self.layer_types:
-            absent.add("q_proj")
-        if "linear_attention" not in self.layer_types:
-            absent |= set(_KDA_ONLY)
-        if "full_attention" not in self.layer_types:
-            absent |= set(_MLA_ONLY)
-        if "sparse" not in self.mlp_layer_types:
-            absent |= {"experts", "shared_experts"}
-        if "dense" not in self.mlp_layer_types:
-            absent |= {"mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"}
-        if not self.n_shared_experts:
-            absent.add("shared_experts")
-        kda = "linear_attention" in self.layer_types
-        if not (kda and self.kda_full_rank_output_gate) and not (
-            "full_attention" in self.layer_types and self.mla_use_output_gate
-        ):
-            absent.add("g_proj")
-        if kda and self.kda_full_rank_output_gate:
-            absent.add("g_b_proj")
-        return {k: v for k, v in TP_PLAN.items() if not any(f".{name}." in f".{k}." for name in absent)}
+        return tp_plan_for(self)
 
     @property
     def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:
         """PP_PLAN, or ATTN_RES_PP_PLAN with Attention Residuals (the layers pass the partial sum and the blocks)."""
-        return dict(PP_PLAN if self.attn_residual == "none" else ATTN_RES_PP_PLAN)
+        return pp_plan_for(self)
 
     def validate_architecture(self):
         """Part of `@strict` validation (e.g. after attributes were changed)."""

@@ -37,6 +37,8 @@ model (scoped to its `language_model`), so one registration covers all three.
 This folder is copied flat into Hub repos: imports are torch, transformers and the stdlib only.
 """
 
+import re
+
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import (
@@ -50,6 +52,36 @@ from transformers.core_model_loading import (
 
 
 REGISTERED_CLASS = "KimiHybridTextModel"
+
+# Moonshot's MoE block and per-expert weights (released) -> ours: the stacked experts parameter each expert weight
+# goes into, its parts in row order (gate_up_proj [E, 2I, H] holds w1 = gate rows, then w3 = up rows)
+MOE_BLOCK = ("block_sparse_moe", "mlp")
+EXPERT_WEIGHTS = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
+
+# Moonshot's MoonViT tensor names (the K2.5 and K3 releases) -> this tower's, relative to the tower's root; {i} is a
+# block index. The one declaration of the names: load-time renames (`moonvit_key_mapping`), the save in K3's
+# layout and the offline K2.5 converter derive theirs from it (`rename_pairs`).
+MOONVIT_NAMES = (
+    ("patch_embed.pos_emb.weight", "patch_embed.pos_emb.position_embeddings"),
+    ("encoder.blocks.{i}.norm0.", "layers.{i}.norm1."),
+    ("encoder.blocks.{i}.norm1.", "layers.{i}.norm2."),
+    ("encoder.blocks.{i}.wqkv.", "layers.{i}.attn.qkv_proj."),
+    ("encoder.blocks.{i}.wo.", "layers.{i}.attn.proj."),
+    ("encoder.blocks.{i}.mlp.fc0.", "layers.{i}.mlp.fc1."),
+    ("encoder.blocks.{i}.mlp.fc1.", "layers.{i}.mlp.fc2."),
+    ("encoder.final_layernorm.", "final_layernorm."),
+)
+
+
+def rename_pairs(table, reverse: bool = False) -> list[tuple[str, str]]:
+    """(regex source, replacement) pairs of a (released, ours) name table with `{i}` index fields: released -> ours,
+    or ours -> released with reverse=True. Sources are anchored at the start and match name prefixes."""
+    pairs = []
+    for released, ours in table:
+        src, tgt = (ours, released) if reverse else (released, ours)
+        pattern = "^" + re.escape(src).replace(re.escape("{i}"), r"(\d+)")
+        pairs.append((pattern, tgt.replace("{i}", r"\1")))
+    return pairs
 
 
 class _NoReverse(WeightRenaming):
@@ -215,7 +247,7 @@ def kimi_linear_mapping() -> list:
         # transformers' in-memory layout keeps the gate's tensors in a forget_gate submodule
         LoadOnlyRenaming(source_patterns=r"\.self_attn\.forget_gate\.", target_patterns=".self_attn."),
         # Moonshot's MoE block (and the dense layer 0, in transformers' save_pretrained spelling)
-        LoadOnlyRenaming(source_patterns=r"\.block_sparse_moe\.", target_patterns=".mlp."),
+        LoadOnlyRenaming(source_patterns=rf"\.{MOE_BLOCK[0]}\.", target_patterns=f".{MOE_BLOCK[1]}."),
         LoadOnlyConverter(
             source_patterns=r"self_attn\.A_log", target_patterns="self_attn.A_log", operations=[FitALog()]
         ),
@@ -226,15 +258,15 @@ def kimi_linear_mapping() -> list:
             operations=[ChunkStacked(dim=0)],
         ),
         # per-expert SwiGLU weights stacked: [E, 2I, H] with gate (w1) rows before up (w3) rows, [E, H, I]
-        LoadOnlyConverter(
-            source_patterns=["mlp.experts.*.w1.weight", "mlp.experts.*.w3.weight"],
-            target_patterns="mlp.experts.gate_up_proj",
-            operations=[MergeModulelist(dim=0), Concatenate(dim=1)],
-        ),
-        LoadOnlyConverter(
-            source_patterns="mlp.experts.*.w2.weight",
-            target_patterns="mlp.experts.down_proj",
-            operations=[MergeModulelist(dim=0)],
+        *(
+            LoadOnlyConverter(
+                source_patterns=[f"mlp.experts.*.{w}.weight" for w in parts],
+                target_patterns=f"mlp.experts.{stacked}",
+                operations=[MergeModulelist(dim=0), Concatenate(dim=1)]
+                if len(parts) > 1
+                else [MergeModulelist(dim=0)],
+            )
+            for stacked, parts in EXPERT_WEIGHTS.items()
         ),
     ]
 
@@ -261,17 +293,7 @@ def moonvit_key_mapping() -> list[tuple[str, str]]:
     proj.0.weight, proj.2.weight and post_norm.weight as released. Sources are anchored (`^`) and no target
     matches another source, so applying the pairs one after another (transformers' WeightRenaming does) renames
     each key once; the non-persistent buffers (time embedding, freqs_cis) are not stored in either layout."""
-    block = r"^encoder\.blocks\.(\d+)\."
-    return [
-        (r"^patch_embed\.pos_emb\.weight", "patch_embed.pos_emb.position_embeddings"),
-        (block + r"norm0\.", r"layers.\1.norm1."),
-        (block + r"norm1\.", r"layers.\1.norm2."),
-        (block + r"wqkv\.", r"layers.\1.attn.qkv_proj."),
-        (block + r"wo\.", r"layers.\1.attn.proj."),
-        (block + r"mlp\.fc0\.", r"layers.\1.mlp.fc1."),
-        (block + r"mlp\.fc1\.", r"layers.\1.mlp.fc2."),
-        (r"^encoder\.final_layernorm\.", "final_layernorm."),
-    ]
+    return rename_pairs(MOONVIT_NAMES)
 
 
 def register() -> None:
@@ -286,7 +308,11 @@ __all__ = [
     "Flatten",
     "LoadOnlyConverter",
     "LoadOnlyRenaming",
+    "EXPERT_WEIGHTS",
+    "MOE_BLOCK",
+    "MOONVIT_NAMES",
     "kimi_linear_mapping",
+    "rename_pairs",
     "moonvit_key_mapping",
     "register",
 ]

@@ -39,6 +39,7 @@ from ..hub_kimi import RemoteCodeMixin
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
+from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, check_parallel_layout
 
 
 # from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,
@@ -63,11 +64,6 @@ LORA_TARGET_MODULES = [
 _ABSORBED_MAX_TOKENS = 16
 # Up to this many new tokens on top of a cached state, KDA runs the token loop (decoding); beyond, chunks.
 _RECURRENT_MAX_TOKENS = 8
-_ATTN_RES_PP_ERROR = (
-    "Attention Residuals under pipeline parallelism: transformers' pipeline passes one tensor "
-    "between stages, but these layers pass the partial sum and the completed depth blocks (see "
-    "config.base_model_pp_plan); use tensor / expert parallelism, or attn_residual='none'"
-)
 
 
 class KeepFP32Mixin:
@@ -214,10 +210,10 @@ class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
 class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
     """Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692):
     q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
-    g = -exp(A_log) * softplus(W_fb W_fa x + dt_bias),  beta = sigmoid(W_b x)
+    g = kda_gate(W_fb W_fa x; A_log, dt_bias),  beta = sigmoid(W_b x)   (the gate: kimi_hf.ops.kda_inputs.kda_gate)
     o = W_o(RMSNorm_head(KDA(q, k, v, g, beta)) * sigmoid(W_gb W_ga x))
-    Kimi K3's options: the safe gate g = lower_bound * sigmoid(exp(A_log) * (W_fb W_fa x + dt_bias))
-    (kda_gate_lower_bound) and a full-rank output gate sigmoid(W_g x) (kda_full_rank_output_gate).
+    Kimi K3's options: the safe gate (kda_gate with kda_gate_lower_bound) and a full-rank output gate
+    sigmoid(W_g x) (kda_full_rank_output_gate).
     """
 
     qk_clip_exempt = True  # q and k are L2-normalised: logits are bounded by the scale, no QK-Clip
@@ -286,7 +282,7 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             dt_bias=self.dt_bias,
             use_beta_sigmoid_in_kernel=True,
         )
-        if self.lower_bound is not None:  # g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias)), in the op
+        if self.lower_bound is not None:  # the safe gate (kda_gate with a lower bound), in the op
             fused.update(safe_gate=True, lower_bound=self.lower_bound)
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
         cache_state = past_key_values is not None
@@ -753,38 +749,6 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         return push_depth_output(partial, blocks, out, s + 1, self.block_size)
 
 
-def check_parallel_layout(
-    text_config: KimiHybridTextConfig, tp_plan: dict[str, str], distributed_config, multimodal: bool = False
-) -> None:
-    """Raises ValueError for a layout the model cannot run: pipeline parallelism with Attention Residuals or of a
-    multimodal model, or a per-head TP plan whose head counts tp_size does not divide (a rank would hold part of a
-    head)."""
-    if distributed_config.pp_size > 1 and multimodal:
-        raise ValueError(
-            "pipeline parallelism (pp_size > 1) of the multimodal model: transformers' pipeline splits "
-            "base_model.layers, and this model's decoder is model.language_model behind the vision tower; use tensor "
-            "/ expert parallelism, or load the text model (AutoModelForCausalLM on a text-only checkpoint)"
-        )
-    if distributed_config.pp_size > 1 and text_config.attn_residual != "none":
-        raise ValueError(_ATTN_RES_PP_ERROR)
-    tp = distributed_config.tp_size
-    override = distributed_config.tp_plan
-    if tp <= 1 or override == {}:
-        return
-    plan = {**tp_plan, **(override if isinstance(override, dict) else {})}
-    sharded = {key.rsplit(".", 1)[-1] for key, style in plan.items() if "self_attn." in key and style == "colwise"}
-    for proj, field, layer_type in (
-        ("k_proj", "linear_num_heads", "linear_attention"),
-        ("kv_b_proj", "num_attention_heads", "full_attention"),
-    ):
-        heads = getattr(text_config, field)
-        if proj in sharded and layer_type in text_config.layer_types and heads % tp:
-            raise ValueError(
-                f"{field} ({heads}) must be divisible by tp_size ({tp}): the TP plan shards "
-                f"{layer_type} layers by head (or pass DistributedConfig(tp_plan=...) replicating them)"
-            )
-
-
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
     config: KimiHybridTextConfig
     config_class = KimiHybridTextConfig
@@ -932,7 +896,7 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
                 not isinstance(getattr(layer, "_checkpoint_wrapped_module", layer), KimiHybridDecoderLayer)
                 for layer in self.layers
             ):
-                raise NotImplementedError(_ATTN_RES_PP_ERROR)
+                raise NotImplementedError(ATTN_RES_PP_ERROR)
             blocks = inputs_embeds[None]
             for layer, layer_type in zip(self.layers, layer_types):
                 hidden_states, blocks = layer(

@@ -21,8 +21,9 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 
 from ..hub_kimi import RemoteCodeMixin
 from .configuration_kimi_hybrid import KimiHybridConfig
-from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, check_parallel_layout, lm_output
+from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
+from .parallel_kimi_hybrid import check_parallel_layout
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

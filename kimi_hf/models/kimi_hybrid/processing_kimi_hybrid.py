@@ -18,9 +18,10 @@ from .chat_markup_kimi_hybrid import (  # noqa: F401  (re-exported: the markup's
     IMAGE_TOKEN,
     RESPONSE_TEMPLATE,
     TURN_END,
-    chat_stop_token_ids,
+    add_eos_token_ids,
     stop_at_turn_end,
 )
+from .chat_markup_kimi_hybrid import kimi_stop_token_ids as chat_stop_token_ids  # Kimi markup only: K3 overrides
 
 
 class KimiHybridProcessor(RemoteCodeProcessorMixin, ProcessorMixin):
@@ -85,9 +86,10 @@ class KimiHybridProcessor(RemoteCodeProcessorMixin, ProcessorMixin):
         return chat_stop_token_ids(self.tokenizer)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
-        """Also makes a model saved in the same folder stop generating at the end of a chat turn."""
+        """Also makes a model saved in the same folder stop generating at the end of a chat turn: its
+        generation_config.json gets the missing `stop_token_ids`, in their order."""
         out = super().save_pretrained(save_directory, *args, **kwargs)
-        stop_at_turn_end(save_directory, self.tokenizer)
+        add_eos_token_ids(save_directory, self.stop_token_ids())
         return out
 
     def num_image_tokens(self, height: int, width: int) -> int:

@@ -1,6 +1,7 @@
 """Kimi K3's chat markup ("XTML"), in one place: its tokens, a Jinja chat template that stock
 `tokenizer.apply_chat_template` renders as K3's own Python encoder (`encoding_k3.py`, `build_chat_segments`)
-does, transformers' response parser spec for it, a parser for the model's replies, and the stop token.
+does, transformers' response parser spec for it, the rendering of a reply, and the stop token. The parser for the
+model's replies is reply_parser_kimi_k3.py (`parse_k3_reply`).
 
 K3 ships no Jinja template; its tokenizer builds the prompt in Python. The markup is XML-like, its brackets
 being tokens (`<|open|>` special; `<|close|>` and `<|sep|>` not special, so they survive
@@ -63,57 +64,39 @@ ms-swift's K3 template tests against the official tokenizer) are silent or disag
   with thinking off) up to and including its `<|end_of_msg|>`, so `return_assistant_tokens_mask` and TRL's
   `assistant_only_loss` train on exactly the reply.
 
-Part of the flat, Hub-copyable model folder: imports only the standard library and transformers.
+Its tokens and elements are the token table of xtml_kimi_k3.py. Part of the flat, Hub-copyable model folder: imports
+only the standard library, transformers and model-folder modules.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from string import Template
 
-
-OPEN, CLOSE, SEP, END_OF_MSG = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
-K3_STOP_TOKEN = END_OF_MSG  # K3's config eos (163586): the end of every message; the tokenizer's own eos is [EOS]
-IMAGE_PLACEHOLDER = "<|kimi_image_placeholder|>"  # plain text, not a token (it may merge with a following "\n")
-MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_PAD, MEDIA_END = (
-    "<|media_begin|>",
-    "<|media_content|>",
-    "<|media_pad|>",
-    "<|media_end|>",
+from ..kimi_hybrid.chat_markup_kimi_hybrid import EOS
+from .reply_parser_kimi_k3 import K3ReplyError, parse_k3_reply
+from .xtml_kimi_k3 import (
+    ASSISTANT_HEADER,
+    CLOSE,
+    END_OF_MSG,
+    GENERATION_PROMPT,
+    IMAGE_PLACEHOLDER,
+    K3_STOP_TOKEN,
+    MESSAGE_CLOSE,
+    OPEN,
+    RESPONSE_CLOSE,
+    RESPONSE_OPEN,
+    SEP,
+    THINK_CLOSE,
+    THINK_OPEN,
 )
-BOS, EOS, PAD, UNK = "[BOS]", "[EOS]", "[PAD]", "[UNK]"
-XTML_TOKENS = [END_OF_MSG, OPEN, CLOSE, SEP]
-MEDIA_TOKENS = [MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD]
-# Kimi K3's added tokens by offset from the number of BPE ranks (163584 in the released tiktoken.model):
-# offset -> (content, special); the offsets not listed are `<|reserved_token_{id}|>` (special). The one table:
-# kimi_hf.conversion.tokenizer builds K3's fast tokenizer from it.
-K3_TOKEN_OFFSETS = {
-    0: (BOS, True),
-    1: (EOS, True),  # the tokenizer's eos: end of document
-    2: (END_OF_MSG, True),  # end of a chat message: K3's config / generation eos
-    3: (OPEN, True),
-    4: (CLOSE, False),  # not special: `<|close|>message<|sep|>` survives skip_special_tokens
-    5: (SEP, False),
-    6: ("[start_header_id]", True),
-    7: ("[end_header_id]", True),
-    9: ("[EOT]", True),
-    18: (MEDIA_BEGIN, True),
-    19: (MEDIA_CONTENT, True),
-    20: (MEDIA_END, True),
-    21: (MEDIA_PAD, True),  # the image placeholder (media_placeholder_token_id)
-    65: ("<osagent_mode>", True),
-    254: (UNK, True),
-    255: (PAD, True),
-}
+
+
+# The encoder's texts that K3_CHAT_TEMPLATE writes (built from these, below): the thinking efforts it accepts and
+# its default, the thinking-effort preamble ({effort}: the effort), the heads of the tool declarations.
 VALID_THINKING_EFFORTS = ("low", "high", "max")
 DEFAULT_THINKING_EFFORT = "max"
-ASSISTANT_HEADER = OPEN + 'message role="assistant"' + SEP
-THINK_OPEN, THINK_CLOSE = OPEN + "think" + SEP, CLOSE + "think" + SEP
-RESPONSE_OPEN, RESPONSE_CLOSE = OPEN + "response" + SEP, CLOSE + "response" + SEP
-MESSAGE_CLOSE = CLOSE + "message" + SEP
-GENERATION_PROMPT = ASSISTANT_HEADER + THINK_OPEN  # with thinking off: ASSISTANT_HEADER + RESPONSE_OPEN
-
 THINKING_EFFORT_PREAMBLE = (
     "`thinking_effort` guides on how much to think in your thinking channel (not including the response "
     "channel), supported values include `low`, `medium`, `high`, and `max`.\n"
@@ -126,34 +109,42 @@ DYNAMIC_TOOL_DECLARE_HEAD = (
 )
 
 
+def _jinja_text(text: str) -> str:
+    """`text` as the inside of a single-quoted Jinja string literal (backslash, quote and newline escaped)."""
+    return text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n")
+
+
 # Every piece of output is an expression (`{{- ... -}}`) and every tag strips the whitespace around it, so
-# the template's own layout never reaches the prompt. `\n` inside the string literals is Jinja's escape.
-K3_CHAT_TEMPLATE = r"""
+# the template's own layout never reaches the prompt. `\n` inside the string literals is Jinja's escape. `${NAME}`
+# (string.Template: Jinja has no `$`) is one of the strings above, written into a Jinja string literal by
+# `_jinja_text`, so that each token and each text of the encoder's is written once.
+K3_CHAT_TEMPLATE = (
+    Template(r"""
 {#- Kimi K3 XTML (encoding_k3.py); see chat_template_kimi_k3.py in kimi_hf for the format and its choices -#}
 {%- macro k3_attr(value) -%}
     {{- value | string | replace('&', '&amp;') | replace('"', '&quot;') -}}
 {%- endmacro -%}
 {%- macro k3_open(tag, attrs=[]) -%}
-    {{- '<|open|>' ~ tag -}}
+    {{- '${OPEN}' ~ tag -}}
     {%- for pair in attrs -%}
         {{- ' ' ~ pair[0] ~ '="' ~ k3_attr(pair[1]) ~ '"' -}}
     {%- endfor -%}
-    {{- '<|sep|>' -}}
+    {{- '${SEP}' -}}
 {%- endmacro -%}
 {%- macro k3_close(tag) -%}
-    {{- '<|close|>' ~ tag ~ '<|sep|>' -}}
+    {{- '${CLOSE}' ~ tag ~ '${SEP}' -}}
 {%- endmacro -%}
 {%- macro k3_system(kind, body) -%}
-    {{- k3_open('message', [('role', 'system'), ('type', kind)]) ~ (body | trim) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+    {{- k3_open('message', [('role', 'system'), ('type', kind)]) ~ (body | trim) ~ k3_close('message') ~ '${END_OF_MSG}' -}}
 {%- endmacro -%}
 {%- macro k3_json(value) -%}
     {{- value | tojson(separators=(',', ':'), sort_keys=True) -}}
 {%- endmacro -%}
 {%- macro k3_tool_declare(tool_list, dynamic) -%}
     {%- if dynamic -%}
-        {%- set head = '## New Tools Available\nThe system dynamically extends the toolset via lazy-loading.\nYou have access to all existing and extended tools.\nHere are the specs for the extended tools.\n\n' -%}
+        {%- set head = '${DYNAMIC_TOOL_DECLARE_HEAD}' -%}
     {%- else -%}
-        {%- set head = '# Tools\nHere are the available tools, described in JSONSchema.\n\n' -%}
+        {%- set head = '${TOOL_DECLARE_HEAD}' -%}
     {%- endif -%}
     {{- k3_system('tool-declare', head ~ '```json\n' ~ k3_json(tool_list) ~ '\n```') -}}
 {%- endmacro -%}
@@ -165,7 +156,7 @@ K3_CHAT_TEMPLATE = r"""
             {%- if part is string -%}
                 {{- part -}}
             {%- elif part.type in ['image', 'image_url'] -%}
-                {{- '<|kimi_image_placeholder|>' -}}
+                {{- '${IMAGE_PLACEHOLDER}' -}}
             {%- elif part.text is defined -%}
                 {{- part.text | string -}}
             {%- else -%}
@@ -221,7 +212,7 @@ K3_CHAT_TEMPLATE = r"""
         {%- endfor -%}
         {{- k3_close('tools') -}}
     {%- endif -%}
-    {{- k3_close('message') ~ '<|end_of_msg|>' -}}
+    {{- k3_close('message') ~ '${END_OF_MSG}' -}}
 {%- endmacro -%}
 {%- macro k3_tool_result(message, state, resolved) -%}
     {%- set state.tool_index = state.tool_index + 1 -%}
@@ -240,7 +231,7 @@ K3_CHAT_TEMPLATE = r"""
         {{- raise_exception('Kimi K3 tool messages need a resolvable tool name: give `tool` / `name`, or follow an assistant message whose tool_calls match them by order.') -}}
     {%- endif -%}
     {{- k3_open('message', [('role', 'tool'), ('tool', name), ('index', state.tool_index)]) -}}
-    {{- k3_content(message.get('content')) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+    {{- k3_content(message.get('content')) ~ k3_close('message') ~ '${END_OF_MSG}' -}}
 {%- endmacro -%}
 {#- ---- arguments ---- -#}
 {%- if enable_thinking is defined and enable_thinking is not none -%}
@@ -255,10 +246,10 @@ K3_CHAT_TEMPLATE = r"""
 {%- elif reasoning_effort is defined -%}
     {%- set effort = reasoning_effort -%}
 {%- else -%}
-    {%- set effort = 'max' -%}
+    {%- set effort = '${DEFAULT_THINKING_EFFORT}' -%}
 {%- endif -%}
-{%- if think and effort is not none and effort not in ['low', 'high', 'max'] -%}
-    {{- raise_exception('Unsupported thinking_effort=' ~ effort | string ~ "; supported values are ['high', 'low', 'max'].") -}}
+{%- if think and effort is not none and effort not in ${VALID_THINKING_EFFORTS} -%}
+    {{- raise_exception('Unsupported thinking_effort=' ~ effort | string ~ "; supported values are ${SORTED_THINKING_EFFORTS}.") -}}
 {%- endif -%}
 {%- set state = namespace(calls=none, tool_index=0) -%}
 {#- ---- the encoder's preamble: tool declarations, then the thinking effort ---- -#}
@@ -266,7 +257,7 @@ K3_CHAT_TEMPLATE = r"""
     {{- k3_tool_declare(tools, false) -}}
 {%- endif -%}
 {%- if think and effort is not none -%}
-    {{- k3_system('thinking-effort', '`thinking_effort` guides on how much to think in your thinking channel (not including the response channel), supported values include `low`, `medium`, `high`, and `max`.\nNow the system is invoked with `thinking_effort=' ~ effort ~ '`.') -}}
+    {{- k3_system('thinking-effort', '${EFFORT_PREAMBLE_HEAD}' ~ effort ~ '${EFFORT_PREAMBLE_TAIL}') -}}
 {%- endif -%}
 {#- ---- the conversation ---- -#}
 {%- for message in messages -%}
@@ -275,7 +266,7 @@ K3_CHAT_TEMPLATE = r"""
         {%- if message.get('name') -%}
             {%- set attrs = attrs + [('name', message.name)] -%}
         {%- endif -%}
-        {{- k3_open('message', attrs) ~ k3_content(message.get('content')) ~ k3_close('message') ~ '<|end_of_msg|>' -}}
+        {{- k3_open('message', attrs) ~ k3_content(message.get('content')) ~ k3_close('message') ~ '${END_OF_MSG}' -}}
     {%- elif message.role == 'system' -%}
         {{- k3_tool_declare(message.tools, true) -}}
     {%- elif message.role == 'assistant' -%}
@@ -361,7 +352,23 @@ K3_CHAT_TEMPLATE = r"""
 {%- if add_generation_prompt -%}
     {{- k3_open('message', [('role', 'assistant')]) ~ k3_open('think' if think else 'response') -}}
 {%- endif -%}
-""".strip()
+""")
+    .substitute(
+        OPEN=_jinja_text(OPEN),
+        CLOSE=_jinja_text(CLOSE),
+        SEP=_jinja_text(SEP),
+        END_OF_MSG=_jinja_text(END_OF_MSG),
+        IMAGE_PLACEHOLDER=_jinja_text(IMAGE_PLACEHOLDER),
+        TOOL_DECLARE_HEAD=_jinja_text(TOOL_DECLARE_HEAD),
+        DYNAMIC_TOOL_DECLARE_HEAD=_jinja_text(DYNAMIC_TOOL_DECLARE_HEAD),
+        EFFORT_PREAMBLE_HEAD=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[0]),
+        EFFORT_PREAMBLE_TAIL=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[1]),
+        VALID_THINKING_EFFORTS=repr(list(VALID_THINKING_EFFORTS)),  # a Jinja list literal
+        SORTED_THINKING_EFFORTS=repr(sorted(VALID_THINKING_EFFORTS)),  # as the encoder's error message lists them
+        DEFAULT_THINKING_EFFORT=_jinja_text(DEFAULT_THINKING_EFFORT),
+    )
+    .strip()
+)
 
 
 # transformers' response parser spec (tokenizer.response_template) for K3's replies, for
@@ -381,12 +388,16 @@ K3_RESPONSE_TEMPLATE = {
         "reasoning_content": {"open": THINK_OPEN, "close": THINK_CLOSE, "content_args": {"strip": False}},
         "content": {"open": RESPONSE_OPEN, "close": RESPONSE_CLOSE, "content_args": {"strip": False}},
         "tool_calls": {
-            "open_pattern": r'<\|open\|>call tool="(?P<name>[^"]*)"[^<]*?<\|sep\|>',
+            "open_pattern": re.escape(OPEN) + r'call tool="(?P<name>[^"]*)"[^<]*?' + re.escape(SEP),
             "close": CLOSE + "call" + SEP,
             "repeats": True,
             "content": "xml-inline",
             "content_args": {
-                "tag_pattern": r'<\|open\|>argument key="(?P<key>[^"]*)"[^<]*?<\|sep\|>(?P<value>.*?)<\|close\|>argument<\|sep\|>',
+                "tag_pattern": re.escape(OPEN)
+                + r'argument key="(?P<key>[^"]*)"[^<]*?'
+                + re.escape(SEP)
+                + r"(?P<value>.*?)"
+                + re.escape(CLOSE + "argument" + SEP),
                 "value_parser": {"name": "text", "args": {"strip": False}},
             },
             "transform": {"type": "function", "function": {"name": "{name}", "arguments": "{content}"}},
@@ -394,212 +405,6 @@ K3_RESPONSE_TEMPLATE = {
         "end": {"open": [MESSAGE_CLOSE, END_OF_MSG, EOS], "transform": []},
     },
 }
-
-
-class K3ReplyError(ValueError):
-    """A reply whose XTML does not parse. `position`: where, in `text` (what the parser saw: the channel the
-    prefix opened, then the reply); `partial`: what parsed before it; `resume`: where the unparsed rest starts
-    (the start of the element that failed)."""
-
-    def __init__(self, reason: str, partial: dict, position: int, text: str, resume: int | None = None):
-        super().__init__(f"{reason} at position {position} of {text[max(0, position - 40) : position + 40]!r}")
-        self.reason, self.partial, self.position, self.text = reason, partial, position, text
-        self.resume = position if resume is None else resume
-
-
-_MARKUP = re.compile(r"<\|open\|>|<\|close\|>|<\|sep\|>|<\|end_of_msg\|>")
-_HEADER = re.compile(r'\s*([A-Za-z_][\w-]*)((?:\s+[A-Za-z_][\w-]*="[^"]*")*)\s*\Z')
-_ATTR = re.compile(r'([A-Za-z_][\w-]*)="([^"]*)"')
-_ENTITY = re.compile(r"&(amp|quot);")
-_ASSISTANT_HEADER = re.compile(r'<\|open\|>message role="assistant"[^<]*<\|sep\|>')
-
-
-def unescape_attr(value: str) -> str:
-    """Inverse of the encoder's attribute escaping (`&` -> `&amp;`, then `"` -> `&quot;`)."""
-    return _ENTITY.sub(lambda m: "&" if m.group(1) == "amp" else '"', value)
-
-
-def _argument_value(raw: str, kind: str | None) -> Any:
-    """An `argument` element's text -> its value, by its `type` attribute (the encoder writes strings raw and
-    everything else as JSON). A missing type reads as a string."""
-    if kind in (None, "string"):
-        return raw
-    if kind not in ("number", "boolean", "null", "object", "array"):
-        raise ValueError(f"unknown argument type {kind!r}")
-    value = json.loads(raw.strip())
-    expected = {
-        "number": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        "boolean": lambda v: isinstance(v, bool),
-        "null": lambda v: v is None,
-        "object": lambda v: isinstance(v, dict),
-        "array": lambda v: isinstance(v, list),
-    }[kind]
-    if not expected(value):
-        raise ValueError(f"{raw!r} is not a JSON {kind}")
-    return value
-
-
-class _ReplyParser:
-    """Recursive descent over one assistant message body: [think] [response] [tools], then the message's end."""
-
-    def __init__(self, text: str):
-        self.text, self.pos = text, 0
-        self.out = {"role": "assistant", "reasoning_content": None, "content": "", "tool_calls": []}
-
-    def fail(self, reason: str, position: int | None = None, resume: int | None = None):
-        position = self.pos if position is None else position
-        raise K3ReplyError(reason, self.out, position, self.text, resume)
-
-    def skip_space(self):
-        while self.pos < len(self.text) and self.text[self.pos].isspace():
-            self.pos += 1
-
-    def at(self, literal: str) -> bool:
-        return self.text.startswith(literal, self.pos)
-
-    def open_tag(self) -> tuple[str, dict]:
-        """At `<|open|>`: reads `tag attr="..."<|sep|>` -> (tag, attributes, unescaped)."""
-        start = self.pos
-        self.pos += len(OPEN)
-        m = _MARKUP.search(self.text, self.pos)
-        if m is None or m.group() != SEP:
-            self.fail("unterminated element header" if m is None else f"{m.group()} inside an element header", start)
-        header = _HEADER.match(self.text, self.pos, m.start())
-        if header is None:
-            self.fail(f"malformed element header {self.text[self.pos : m.start()]!r}", start)
-        self.pos = m.end()
-        return header.group(1), {k: unescape_attr(v) for k, v in _ATTR.findall(header.group(2))}
-
-    def body(self, tag: str, *, may_end: bool) -> str:
-        """Text up to `<|close|>tag<|sep|>` (consumed). `may_end`: a missing close at the end of the text is a
-        truncated reply (generation stopped by length), not an error."""
-        m = _MARKUP.search(self.text, self.pos)
-        start = self.pos
-        if m is None:
-            if not may_end:
-                self.fail(f"unterminated {tag} element", len(self.text), start)
-            self.pos = len(self.text)
-            return self.text[start:]
-        if not self.text.startswith(CLOSE + tag + SEP, m.start()):
-            # resumed at the body's start, so that strict=False keeps the body's text in the plain reply
-            self.fail(f"expected {CLOSE}{tag}{SEP}, got {self.text[m.start() : m.start() + 30]!r}", m.start(), start)
-        self.pos = m.start() + len(CLOSE + tag + SEP)
-        return self.text[start : m.start()]
-
-    def call(self, attrs: dict) -> dict:
-        if not attrs.get("tool"):
-            self.fail("a call without a tool name")
-        arguments: dict = {}
-        while True:
-            self.skip_space()
-            if self.at(CLOSE + "call" + SEP):
-                self.pos += len(CLOSE + "call" + SEP)
-                return {"type": "function", "function": {"name": attrs["tool"], "arguments": arguments}}
-            if not self.at(OPEN):
-                self.fail("expected an argument, a json element or the end of the call")
-            start = self.pos
-            tag, element = self.open_tag()
-            if tag == "argument":
-                if "key" not in element:
-                    self.fail("an argument without a key", start)
-                raw = self.body("argument", may_end=False)
-                try:
-                    arguments[element["key"]] = _argument_value(raw, element.get("type"))
-                except ValueError as e:
-                    self.fail(f"argument {element['key']!r}: {e}", start)
-            elif tag == "json":
-                raw = self.body("json", may_end=False)
-                try:
-                    value = json.loads(raw)
-                except ValueError as e:
-                    self.fail(f"the call's json element is not JSON ({e})", start)
-                if not isinstance(value, dict):
-                    self.fail("the call's json element is not a JSON object", start)
-                arguments.update(value)
-            else:
-                self.fail(f"unexpected <{tag}> element in a call", start)
-
-    def tools(self):
-        while True:
-            self.skip_space()
-            if self.at(CLOSE + "tools" + SEP):
-                self.pos += len(CLOSE + "tools" + SEP)
-                return
-            if not self.at(OPEN):
-                self.fail("expected a call or the end of the tools element")
-            start = self.pos
-            tag, attrs = self.open_tag()
-            if tag != "call":
-                self.fail(f"unexpected <{tag}> element in tools", start)
-            try:
-                self.out["tool_calls"].append(self.call(attrs))
-            except K3ReplyError as error:  # a broken call is dropped whole (strict=False: its text is the rest)
-                self.fail(error.reason, error.position, start)
-
-    def parse(self) -> dict:
-        seen = set()
-        while True:
-            self.skip_space()
-            if self.pos >= len(self.text) or self.at(MESSAGE_CLOSE):
-                return self.out
-            if not self.at(OPEN):
-                self.fail("text outside the think / response / tools elements")
-            start = self.pos
-            tag, _ = self.open_tag()
-            if tag in seen or tag not in ("think", "response", "tools"):
-                self.fail(f"unexpected {'second ' if tag in seen else ''}<{tag}> element", start)
-            seen.add(tag)
-            if tag == "think":
-                self.out["reasoning_content"] = self.body("think", may_end=True)
-            elif tag == "response":
-                self.out["content"] = self.body("response", may_end=True)
-            else:
-                self.tools()
-
-
-def parse_k3_reply(text: str, prefix: str | None = None, *, strict: bool = True) -> dict:
-    """A K3 reply (decoded with `skip_special_tokens=False`: `<|open|>` and `<|end_of_msg|>` are special) ->
-    {"role": "assistant", "reasoning_content": str | None, "content": str, "tool_calls": [...]}, the message
-    to append to the chat (`apply_chat_template` renders it back as the model wrote it). Tool calls are
-    {"type": "function", "function": {"name", "arguments": dict}}, argument values typed by their `type`
-    attribute. `reasoning_content` is None when the reply has no think channel (thinking off).
-
-    `prefix`: the prompt the reply continues (it ends inside the channel the generation prompt opened). Without
-    one, a reply that does not start with an element is read as continuing the think channel when it closes
-    one, else the response channel (a plain string is a plain reply). The reply ends at the message's end,
-    `<|end_of_msg|>` or `[EOS]`; what follows is ignored. A channel cut short (max_new_tokens) keeps its text.
-    Malformed markup raises `K3ReplyError` (a ValueError) naming the place; with `strict=False` the parsed
-    part is returned instead, the unparsed rest (markup included) appended to `content`."""
-    if not isinstance(text, str):
-        raise TypeError(f"parse_k3_reply takes the decoded reply text, got {type(text).__name__}")
-    head = None
-    if prefix:
-        anchors = list(_ASSISTANT_HEADER.finditer(prefix))
-        if anchors:
-            head = prefix[anchors[-1].end() :]
-    m = _ASSISTANT_HEADER.match(text.lstrip())
-    if m is not None:  # a whole message
-        text, head = text.lstrip()[m.end() :], ""
-    if head is None:  # where does the reply start? (no prefix says)
-        if text.lstrip().startswith(OPEN):
-            head = ""
-        elif THINK_CLOSE in text.split(END_OF_MSG)[0].split(EOS)[0]:
-            head = THINK_OPEN
-        else:
-            head = RESPONSE_OPEN
-    full = head + text
-    ends = [i for i in (full.find(END_OF_MSG, len(head)), full.find(EOS, len(head))) if i >= 0]
-    full = full[: min(ends)] if ends else full
-    parser = _ReplyParser(full)
-    try:
-        return parser.parse()
-    except K3ReplyError as error:
-        if strict:
-            raise
-        out = error.partial
-        rest = full[max(error.resume, len(head)) :].split(MESSAGE_CLOSE)[0]
-        out["content"] = (out["content"] or "") + rest
-        return out
 
 
 def normalize_k3_messages(messages: list[dict]) -> list[dict]:
@@ -685,32 +490,17 @@ def use_k3_chat_markup(tokenizer):
 __all__ = [
     "K3_CHAT_TEMPLATE",
     "K3_RESPONSE_TEMPLATE",
-    "K3_STOP_TOKEN",
-    "K3_TOKEN_OFFSETS",
-    "K3ReplyError",
-    "OPEN",
-    "CLOSE",
-    "SEP",
-    "END_OF_MSG",
-    "IMAGE_PLACEHOLDER",
-    "MEDIA_BEGIN",
-    "MEDIA_CONTENT",
-    "MEDIA_PAD",
-    "MEDIA_END",
-    "XTML_TOKENS",
-    "MEDIA_TOKENS",
     "VALID_THINKING_EFFORTS",
     "DEFAULT_THINKING_EFFORT",
-    "ASSISTANT_HEADER",
-    "GENERATION_PROMPT",
     "THINKING_EFFORT_PREAMBLE",
     "TOOL_DECLARE_HEAD",
     "DYNAMIC_TOOL_DECLARE_HEAD",
-    "parse_k3_reply",
     "normalize_k3_messages",
-    "unescape_attr",
     "k3_stop_token_ids",
     "has_k3_markup",
     "render_k3_reply",
     "use_k3_chat_markup",
+    # re-exported from reply_parser_kimi_k3, their home: earlier READMEs imported the parser from here
+    "parse_k3_reply",
+    "K3ReplyError",
 ]

@@ -18,6 +18,7 @@ from transformers.configuration_utils import SubConfigSpec
 from ..kimi_hybrid.configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig, kimi_linear_layer_types
 from ..kimi_hybrid.configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, with_extra_attributes
 from .configuration_kimi_k3_vision import KimiK3VisionConfig
+from .xtml_kimi_k3 import IMAGE_PLACEHOLDER
 
 
 # The compressed-tensors scheme of K3's routed experts (text_config.quantization_config of the release)
@@ -234,7 +235,7 @@ class KimiK3Config(KimiHybridConfig):
     attribute_map = {"media_placeholder_token_id": "image_token_id"}
 
     image_token_id: int = 163605
-    image_placeholder: str = "<|kimi_image_placeholder|>"
+    image_placeholder: str = IMAGE_PLACEHOLDER
     ignore_index: int = -100
     bos_token_id: int | None = 163584
     eos_token_id: int | list[int] | None = 163586

@@ -5,11 +5,14 @@ plus K3's prefixes, Attention Residual names, the MoonViT tower's names and the 
 This folder is copied flat into Hub repos: imports are torch, transformers and the stdlib only.
 """
 
+import re
+
 import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightRenaming
 
 from ..kimi_hybrid.conversion_mapping_kimi_hybrid import (
+    EXPERT_WEIGHTS,
     Flatten,
     LoadOnlyConverter,
     LoadOnlyRenaming,
@@ -20,6 +23,19 @@ from ..kimi_hybrid.conversion_mapping_kimi_hybrid import (
 
 # only the root class: a nested KimiK3Model with its own registration would apply the transforms twice
 K3_REGISTERED_CLASSES = ("KimiK3ForConditionalGeneration", "KimiK3Model")
+
+# Kimi K3's released names -> KimiK3ForConditionalGeneration's: the one declaration both directions come from
+# (the load-time renames of `k3_mapping`, the save of `k3_state_dict`). Top-level prefixes:
+K3_PREFIXES = (
+    ("language_model.model.", "model.language_model."),
+    ("language_model.lm_head.", "lm_head."),
+    ("vision_tower.", "model.vision_tower."),  # then the tower's MoonViT names (MOONVIT_NAMES)
+    ("mm_projector.", "model.mm_projector."),  # KimiHybridMultimodalProjectorV2 names its parameters as released
+)
+# Block Attention Residuals: released `{name}_norm.weight` [d] and `{name}_proj.weight` [1, d] -> our module's
+# `key_norm.weight` [d] and `query` [d]
+K3_RES_NAMES = (("self_attention_res", "attn_res"), ("mlp_res", "mlp_res"), ("output_attn_res", "final_res"))
+K3_RES_PARAMS = (("_norm.weight", ".key_norm.weight"), ("_proj.weight", ".query"))
 
 
 def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
@@ -106,54 +122,40 @@ def k3_mapping() -> list:
                                           -> mlp.experts.gate_up_proj [E, 2I, latent] / down_proj [E, latent, I]
         self_attn.A_log [head_dim], zero-padded -> [H]
     plus Kimi Linear's other transforms (block_sparse_moe -> mlp)."""
+    vision_root, ours_root = next(p for p in K3_PREFIXES if p[0] == "vision_tower.")
     vision = [
         LoadOnlyRenaming(
-            source_patterns=r"^vision_tower\." + src.removeprefix("^"), target_patterns="model.vision_tower." + tgt
+            source_patterns="^" + re.escape(vision_root) + src.removeprefix("^"), target_patterns=ours_root + tgt
         )
         for src, tgt in moonvit_key_mapping()
     ]
-    res = []
-    for released, ours in (
-        ("self_attention_res", "attn_res"),
-        ("mlp_res", "mlp_res"),
-        ("output_attn_res", "final_res"),
-    ):
-        res.append(
-            LoadOnlyRenaming(
-                source_patterns=rf"\.{released}_norm\.weight$", target_patterns=f".{ours}.key_norm.weight"
-            )
-        )
-        res.append(LoadOnlyRenaming(source_patterns=rf"\.{released}_proj\.weight$", target_patterns=f".{ours}.query"))
+    res = [
+        LoadOnlyRenaming(source_patterns=rf"\.{released}{re.escape(theirs)}$", target_patterns=f".{ours}{mine}")
+        for released, ours in K3_RES_NAMES
+        for theirs, mine in K3_RES_PARAMS
+    ]
     linear = kimi_linear_mapping()
     renames = [t for t in linear if isinstance(t, WeightRenaming)]
     converters = [t for t in linear if not isinstance(t, WeightRenaming)]
-    mxfp4 = [
+    mxfp4 = [  # each expert's weight_packed + weight_scale, decoded into its slice of the stacked parameter
         LoadOnlyConverter(
-            source_patterns=[
-                "mlp.experts.*.w1.weight_packed",
-                "mlp.experts.*.w1.weight_scale",
-                "mlp.experts.*.w3.weight_packed",
-                "mlp.experts.*.w3.weight_scale",
-            ],
-            target_patterns="mlp.experts.gate_up_proj",
+            source_patterns=[f"mlp.experts.*.{w}.{part}" for w in parts for part in ("weight_packed", "weight_scale")],
+            target_patterns=f"mlp.experts.{stacked}",
             operations=[DequantizeMxfp4()],
-        ),
-        LoadOnlyConverter(
-            source_patterns=["mlp.experts.*.w2.weight_packed", "mlp.experts.*.w2.weight_scale"],
-            target_patterns="mlp.experts.down_proj",
-            operations=[DequantizeMxfp4()],
-        ),
+        )
+        for stacked, parts in EXPERT_WEIGHTS.items()
     ]
     query = [
         LoadOnlyConverter(source_patterns=rf"{ours}\.query", target_patterns=f"{ours}.query", operations=[Flatten()])
-        for ours in ("attn_res", "mlp_res", "final_res")
+        for _, ours in K3_RES_NAMES
+    ]
+    prefixes = [
+        LoadOnlyRenaming(source_patterns="^" + re.escape(released), target_patterns=ours)
+        for released, ours in K3_PREFIXES
     ]
     return [
         *vision,
-        LoadOnlyRenaming(source_patterns=r"^vision_tower\.", target_patterns="model.vision_tower."),
-        LoadOnlyRenaming(source_patterns=r"^mm_projector\.", target_patterns="model.mm_projector."),
-        LoadOnlyRenaming(source_patterns=r"^language_model\.model\.", target_patterns="model.language_model."),
-        LoadOnlyRenaming(source_patterns=r"^language_model\.lm_head\.", target_patterns="lm_head."),
+        *prefixes,
         *res,
         *renames,
         *query,
@@ -168,4 +170,12 @@ def register_k3() -> None:
         register_checkpoint_conversion_mapping(name, k3_mapping(), overwrite=True)
 
 
-__all__ = ["K3_REGISTERED_CLASSES", "DequantizeMxfp4", "k3_mapping", "register_k3"]
+__all__ = [
+    "K3_PREFIXES",
+    "K3_REGISTERED_CLASSES",
+    "K3_RES_NAMES",
+    "K3_RES_PARAMS",
+    "DequantizeMxfp4",
+    "k3_mapping",
+    "register_k3",
+]

@@ -16,7 +16,7 @@ import re
 import torch
 from transformers.utils import logging
 
-from ..kimi_hybrid.conversion_mapping_kimi_hybrid import moonvit_key_mapping
+from ..kimi_hybrid.conversion_mapping_kimi_hybrid import EXPERT_WEIGHTS, MOE_BLOCK, MOONVIT_NAMES, rename_pairs
 from ..kimi_hybrid.modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
 from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import (
     KimiHybridForConditionalGeneration,
@@ -24,6 +24,7 @@ from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import (
     _is_dtensor,
 )
 from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
+from .conversion_mapping_kimi_k3 import K3_PREFIXES, K3_RES_NAMES, K3_RES_PARAMS
 from .conversion_mapping_kimi_k3 import register_k3 as _register_k3_conversion_mapping
 from .mxfp4_kimi_k3 import quantize_mxfp4
 
@@ -82,17 +83,37 @@ class KimiK3Model(KimiHybridModel):
     _keys_to_ignore_on_load_unexpected = [r"^lm_head\."]
 
 
-def _inverse_vision_renames() -> list[tuple[re.Pattern, str]]:
-    """moonvit_key_mapping's (released regex -> our name) pairs turned around: (our-name regex, released name)."""
-    pairs = []
-    for src, tgt in moonvit_key_mapping():
-        released = src.removeprefix("^").replace(r"(\d+)", r"\1").replace("\\.", ".")
-        ours = "^" + re.escape(tgt).replace(re.escape(r"\1"), r"(\d+)")
-        pairs.append((re.compile(ours), released))
-    return pairs
+# K3_PREFIXES turned around (ours -> released), the longest first; the tower's MoonViT names back to the release's
+_OUR_PREFIXES = sorted(((ours, released) for released, ours in K3_PREFIXES), key=lambda p: -len(p[0]))
+_MOONVIT_BACK = [(re.compile(src), tgt) for src, tgt in rename_pairs(MOONVIT_NAMES, reverse=True)]
+_LANGUAGE_MODEL = K3_PREFIXES[0][0]  # "language_model.model."
 
 
-_RES_NAMES = (("attn_res", "self_attention_res"), ("mlp_res", "mlp_res"), ("final_res", "output_attn_res"))
+def _released_name(name: str, sparse_layers: set[int]) -> tuple[str, tuple | None]:
+    """Our state-dict name -> (K3's released name, the released shape if it differs: (1, -1) for the Attention
+    Residual queries), from the name tables of conversion_mapping_kimi_k3 (routed experts: `_released_experts`)."""
+    for ours, released in _OUR_PREFIXES:
+        if name.startswith(ours):
+            rest = name[len(ours) :]
+            break
+    else:
+        raise ValueError(f"k3_state_dict: unexpected tensor {name}")
+    if released == "vision_tower.":
+        for pattern, back in _MOONVIT_BACK:
+            if pattern.match(rest):
+                return released + pattern.sub(back, rest, count=1), None
+    if released != _LANGUAGE_MODEL:
+        return released + rest, None
+    shape = None
+    for res_released, res_ours in K3_RES_NAMES:
+        for theirs, mine in K3_RES_PARAMS:
+            if rest.endswith(res_ours + mine):
+                rest = rest[: -len(res_ours + mine)] + res_released + theirs
+                shape = (1, -1) if mine == ".query" else None
+    m = re.match(r"layers\.(\d+)\.", rest)
+    if m and int(m.group(1)) in sparse_layers:
+        rest = rest.replace(f".{MOE_BLOCK[1]}.", f".{MOE_BLOCK[0]}.", 1)
+    return released + rest, shape
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -137,77 +158,55 @@ class _OffGrid(ValueError):
 def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Tensor]:
     """k3_state_dict's conversion; experts_format "mxfp4", "exact" (MXFP4, raising _OffGrid) or "dense"."""
     text = model.config.text_config
-    vision_renames = _inverse_vision_renames()
+    sparse = {i for i, t in enumerate(text.mlp_layer_types) if t == "sparse"}
     out = {}
     for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
         tensor = _full(tensor.detach())
-        if name.startswith("lm_head."):
-            out["language_model." + name] = tensor
+        key, shape = _released_name(name, sparse)
+        if shape is not None:
+            tensor = tensor.reshape(shape)
+        if not key.startswith(_LANGUAGE_MODEL):
+            out[key] = tensor
             continue
-        if name.startswith("model.mm_projector."):
-            out[name.removeprefix("model.")] = tensor
-            continue
-        if name.startswith("model.vision_tower."):
-            rest = name.removeprefix("model.vision_tower.")
-            for pattern, released in vision_renames:
-                if pattern.match(rest):
-                    rest = pattern.sub(released, rest, count=1)
-                    break
-            out["vision_tower." + rest] = tensor
-            continue
-        rest = name.removeprefix("model.language_model.")
-        if rest == name:
-            raise ValueError(f"k3_state_dict: unexpected tensor {name}")
-        for ours, released in _RES_NAMES:
-            for suffix, new, shape in (
-                (f"{ours}.key_norm.weight", f"{released}_norm.weight", None),
-                (f"{ours}.query", f"{released}_proj.weight", (1, -1)),
-            ):
-                if rest.endswith(suffix):
-                    rest = rest[: -len(suffix)] + new
-                    tensor = tensor.reshape(shape) if shape else tensor
-        m = re.match(r"layers\.(\d+)\.", rest)
-        if m and text.mlp_layer_types[int(m.group(1))] == "sparse":
-            rest = rest.replace(".mlp.", ".block_sparse_moe.", 1)
-        if rest.endswith("self_attn.A_log"):
+        if key.endswith("self_attn.A_log"):
             padded = tensor.new_zeros(max(text.linear_head_dim, tensor.numel()))
             padded[: tensor.numel()] = tensor  # the release stores [head_dim], heads first, zeros after
             tensor = padded
-        if rest.endswith("block_sparse_moe.gate.weight") and torch.equal(
+        if key.endswith(f"{MOE_BLOCK[0]}.gate.weight") and torch.equal(
             tensor.to(model.dtype).to(tensor.dtype), tensor
         ):
             # kept fp32 in memory, stored in the model's dtype as released, unless that would round it (trained)
             tensor = tensor.to(model.dtype)
-        prefix = "language_model.model."
-        if rest.endswith(".experts.gate_up_proj") or rest.endswith(".experts.down_proj"):
-            base = prefix + rest.rsplit(".", 1)[0]
-            parts = (
-                {"w1": tensor[:, : tensor.shape[1] // 2], "w3": tensor[:, tensor.shape[1] // 2 :]}
-                if rest.endswith("gate_up_proj")
-                else {"w2": tensor}
-            )
+        base, _, leaf = key.rpartition(".")
+        if base.endswith(".experts") and leaf in EXPERT_WEIGHTS:
+            names = EXPERT_WEIGHTS[leaf]  # the stacked rows are the experts' weights in this order
+            parts = dict(zip(names, tensor.chunk(len(names), dim=1)))
             for w, stacked in parts.items():
                 for e in range(stacked.shape[0]):
-                    key = f"{base}.{e}.{w}"
+                    expert = f"{base}.{e}.{w}"
                     if experts_format in ("mxfp4", "exact"):
                         try:
-                            packed, scale = quantize_mxfp4(stacked[e], name=key, exact=experts_format == "exact")
+                            packed, scale = quantize_mxfp4(stacked[e], name=expert, exact=experts_format == "exact")
                         except ValueError as err:
                             if experts_format == "exact" and "not MXFP4-representable" in str(err):
-                                raise _OffGrid(key) from None
+                                raise _OffGrid(expert) from None
                             raise
-                        out[key + ".weight_packed"], out[key + ".weight_scale"] = packed, scale
+                        out[expert + ".weight_packed"], out[expert + ".weight_scale"] = packed, scale
                     else:
-                        out[key + ".weight"] = stacked[e].contiguous()
+                        out[expert + ".weight"] = stacked[e].contiguous()
             continue
-        out[prefix + rest] = tensor
+        out[key] = tensor
     return out
 
 
-RELEASED_PREFIXES = ("language_model.", "vision_tower.", "mm_projector.")
+RELEASED_PREFIXES = tuple(dict.fromkeys(released.split(".")[0] + "." for released, _ in K3_PREFIXES))
+# a routed expert's tensor in the release: (layer, expert, w1 / w3 / w2, weight_packed | weight_scale | weight)
 _RELEASED_EXPERT = re.compile(
-    r"^language_model\.model\.layers\.(\d+)\.block_sparse_moe\.experts\.(\d+)\.(w[123])\.(weight_packed|weight_scale|weight)$"
+    rf"^{re.escape(_LANGUAGE_MODEL)}layers\.(\d+)\.{MOE_BLOCK[0]}\.experts\.(\d+)\."
+    rf"({'|'.join(w for parts in EXPERT_WEIGHTS.values() for w in parts)})\.(weight_packed|weight_scale|weight)$"
 )
+# released expert weight -> (our stacked parameter, its part, the number of parts): w3 -> ("gate_up_proj", 1, 2)
+_EXPERT_PART = {w: (stacked, i, len(parts)) for stacked, parts in EXPERT_WEIGHTS.items() for i, w in enumerate(parts)}
 
 
 @torch.no_grad()
@@ -257,10 +256,8 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
         if int(e) >= param.shape[0]:
             unexpected.update(key for key, _ in parts.values())
             continue
-        target = param[int(e)]
-        if w != "w2":
-            half = target.shape[0] // 2
-            target = target[:half] if w == "w1" else target[half:]
+        _, part, n_parts = _EXPERT_PART[w]
+        target = param[int(e)].chunk(n_parts, dim=0)[part]
         if "weight" in parts and len(parts) > 1:
             raise ValueError(f"{first}: an expert stored both as .weight and as MXFP4 bytes")
         if "weight" in parts:
@@ -279,12 +276,11 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
         target.copy_(value)
         filled.setdefault(name, set()).add((int(e), w))
     # a stacked parameter counts as loaded when this call wrote every expert's parts (a shard writes some)
-    expected = {"gate_up_proj": ("w1", "w3"), "down_proj": ("w2",)}
     covered = {
         name
         for name, parts in filled.items()
         if parts
-        >= {(e, w) for e in range(model.get_parameter(name).shape[0]) for w in expected[name.rsplit(".", 1)[1]]}
+        >= {(e, w) for e in range(model.get_parameter(name).shape[0]) for w in EXPERT_WEIGHTS[name.rsplit(".", 1)[1]]}
     }
     partly = set(filled) - covered
     waiting = {_stacked_experts_name(layer, w) for layer, _, w in pending}
@@ -326,7 +322,7 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
 
 def _stacked_experts_name(layer: str, w: str) -> str:
     """The model's stacked experts parameter that released expert tensor w (w1 / w3 / w2) of a layer goes into."""
-    return f"model.language_model.layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+    return f"{K3_PREFIXES[0][1]}layers.{layer}.{MOE_BLOCK[1]}.experts.{_EXPERT_PART[w][0]}"
 
 
 class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):

@@ -24,16 +24,10 @@ import json
 import os
 
 from ..kimi_hybrid.processing_kimi_hybrid import KimiHybridProcessor
-from .chat_template_kimi_k3 import (
-    IMAGE_PLACEHOLDER,
-    K3_CHAT_TEMPLATE,
-    K3_RESPONSE_TEMPLATE,
-    MEDIA_BEGIN,
-    MEDIA_CONTENT,
-    MEDIA_END,
-    MEDIA_PAD,
-)
+from .chat_template_kimi_k3 import K3_CHAT_TEMPLATE, K3_RESPONSE_TEMPLATE, k3_stop_token_ids
 from .image_processing_kimi_k3 import KimiK3ImageProcessor
+from .tokenization_kimi_k3 import tiktoken_to_fast
+from .xtml_kimi_k3 import IMAGE_PLACEHOLDER, MEDIA_BEGIN, MEDIA_CONTENT, MEDIA_END, MEDIA_PAD
 
 
 class KimiK3Processor(KimiHybridProcessor):
@@ -53,6 +47,11 @@ class KimiK3Processor(KimiHybridProcessor):
         if getattr(tokenizer, "response_template", None) is None:
             tokenizer.response_template = K3_RESPONSE_TEMPLATE  # parse_response / serve read replies with it
 
+    def stop_token_ids(self) -> list[int]:
+        """The ids K3 chat generation stops on (`k3_stop_token_ids`: <|end_of_msg|>, then [EOS]), added to a
+        generation_config.json saved in the same folder."""
+        return k3_stop_token_ids(self.tokenizer)
+
     def _token_id(self, token: str) -> int | None:
         i = self.tokenizer.convert_tokens_to_ids(token)
         return None if i is None or i == self.tokenizer.unk_token_id else i
@@ -71,7 +70,8 @@ class KimiK3Processor(KimiHybridProcessor):
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs):
         """Our saved folders load as usual. A local folder as K3 is released (`preprocessor_config.json` with
         K3's `media_proc_cfg`, `tiktoken.model` without `tokenizer.json`) is read directly: the tiktoken ranks
-        are converted to a fast tokenizer in memory (kimi_hf's converter; no tiktoken package)."""
+        are converted to a fast tokenizer in memory (tokenization_kimi_k3, beside this module, also in a saved folder;
+        no tiktoken package)."""
         folder = os.fspath(pretrained_model_name_or_path)
         if not os.path.isdir(folder):
             return super().from_pretrained(pretrained_model_name_or_path, **kwargs)
@@ -93,13 +93,6 @@ class KimiK3Processor(KimiHybridProcessor):
         else:
             image_processor = KimiK3ImageProcessor()
         if released_tokenizer:
-            try:
-                from kimi_hf.conversion.tokenizer import tiktoken_to_fast
-            except ImportError as err:  # a remote-code load without kimi_hf installed
-                raise ValueError(
-                    f"{folder} has K3's tiktoken.model but no tokenizer.json: install kimi_hf to convert it, or "
-                    "run `kimi-hf convert k3` on the folder"
-                ) from err
             tokenizer = tiktoken_to_fast(
                 os.path.join(folder, "tiktoken.model"), os.path.join(folder, "tokenizer_config.json")
             )

@@ -14,7 +14,7 @@ import torch
 
 from kimi_hf.ops import chunk_kda
 
-from ...ops.test_kda import LOWER_BOUND, _safe_gate_inputs, make_inputs, rel_rms, run_with_grads
+from ...ops.kda_helpers import LOWER_BOUND, make_inputs, rel_rms, run_with_grads, safe_gate_inputs
 
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -113,7 +113,7 @@ def test_safe_gate_fused_forward_and_backward(dtype, with_A_log, packed, tol_o, 
     and an empty sequence. (Chunk boundaries inside a sequence do not involve the gate: the tests above
     cover them.)"""
     cu = torch.tensor([0, 24, 24, 40]) if packed else None
-    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(40, 2, 16, 16, 3 if packed else 1, seed=13)
+    q, k, v, f, beta, A_log, dt_bias, h0 = safe_gate_inputs(40, 2, 16, 16, 3 if packed else 1, seed=13)
     q, k, v, f, beta = (x.to(dtype) for x in (q, k, v, f, beta))
     params = [dt_bias] + ([A_log] if with_A_log else [])
 

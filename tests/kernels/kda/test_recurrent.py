@@ -9,7 +9,7 @@ import torch
 
 from kimi_hf.ops import recurrent_kda
 
-from ...ops.test_kda import LOWER_BOUND, _safe_gate_inputs, make_inputs, rel_rms
+from ...ops.kda_helpers import LOWER_BOUND, make_inputs, rel_rms, safe_gate_inputs
 
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1")
@@ -81,7 +81,7 @@ def test_safe_gate_fused(dtype, with_A_log):
     """Kimi K3's safe gate g = lower_bound * sigmoid(exp(A_log) (f + dt_bias)) inside the kernel (A_log
     optional), packed decode steps with initial states, against the PyTorch path."""
     cu = torch.tensor([0, 1, 1, 5])
-    q, k, v, f, beta, A_log, dt_bias, h0 = _safe_gate_inputs(5, 2, 16, 16, 3, seed=7)
+    q, k, v, f, beta, A_log, dt_bias, h0 = safe_gate_inputs(5, 2, 16, 16, 3, seed=7)
     q, k, v, f, beta = (x.to(dtype) for x in (q, k, v, f, beta))
     kw = dict(
         initial_state=h0,

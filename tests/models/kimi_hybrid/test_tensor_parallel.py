@@ -23,8 +23,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kimi_hf import KimiHybridForCausalLM
-from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import ATTN_RES_PP_PLAN, EP_PLAN, PP_PLAN, TP_PLAN
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts, KimiHybridMLA
+from kimi_hf.models.kimi_hybrid.parallel_kimi_hybrid import ATTN_RES_PP_PLAN, EP_PLAN, PP_PLAN, TP_PLAN
 
 from .helpers import tiny_config
 from .tp_worker import QK_CLIP_GAMMA, compute, record_max_logits
@@ -439,7 +439,7 @@ def test_pp_plan_describes_the_attn_res_layer():
 def test_layouts_the_model_cannot_run_are_refused():
     from transformers.distributed import DistributedConfig
 
-    from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import check_parallel_layout
+    from kimi_hf.models.kimi_hybrid.parallel_kimi_hybrid import check_parallel_layout
 
     plan = KimiHybridForCausalLM(tiny_config()).tp_plan
     check_parallel_layout(tiny_config(), plan, DistributedConfig(tp_size=2))

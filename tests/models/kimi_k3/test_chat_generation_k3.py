@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor, pipeline
 
-from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import parse_k3_reply
+from kimi_hf.models.kimi_k3.reply_parser_kimi_k3 import parse_k3_reply
 
 from .release_format import (
     TINY_CHAT_IDS,

@@ -13,18 +13,16 @@ import jinja2
 import pytest
 from transformers import AutoTokenizer
 
-from kimi_hf.conversion.tokenizer import K3_SPECIAL_TOKENS, tiktoken_to_fast
+from kimi_hf.conversion.tokenizer import tiktoken_to_fast
 from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import (
     K3_CHAT_TEMPLATE,
     K3_RESPONSE_TEMPLATE,
-    K3_STOP_TOKEN,
-    K3_TOKEN_OFFSETS,
-    K3ReplyError,
     k3_stop_token_ids,
     normalize_k3_messages,
-    parse_k3_reply,
     use_k3_chat_markup,
 )
+from kimi_hf.models.kimi_k3.reply_parser_kimi_k3 import K3ReplyError, parse_k3_reply
+from kimi_hf.models.kimi_k3.xtml_kimi_k3 import K3_STOP_TOKEN, K3_TOKEN_OFFSETS
 
 
 # the thinking-effort preamble K3's apply_chat_template prepends (thinking_effort="max" by default)
@@ -69,7 +67,7 @@ def tok(tmp_path_factory):
             f.write(base64.b64encode(token) + b" " + str(rank).encode() + b"\n")
     n = len(ranks)
     config = {
-        "added_tokens_decoder": {str(n + k): {"content": c, "special": s} for k, (c, s) in K3_SPECIAL_TOKENS.items()}
+        "added_tokens_decoder": {str(n + k): {"content": c, "special": s} for k, (c, s) in K3_TOKEN_OFFSETS.items()}
     }
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     fast = tiktoken_to_fast(str(folder / "tiktoken.model"), str(folder / "tokenizer_config.json"))
@@ -81,9 +79,24 @@ def render(tok, messages, **kwargs):
     return tok.apply_chat_template(messages, tokenize=False, **kwargs)
 
 
-def test_token_table_matches_the_converter():
-    assert all(K3_SPECIAL_TOKENS[k] == v for k, v in K3_TOKEN_OFFSETS.items())
+def test_one_token_table():
+    """XTML's tokens are declared in xtml_kimi_k3, the document and media tokens are Kimi's (the same strings in
+    chat_markup_kimi_hybrid), each at its offset in K3_TOKEN_OFFSETS; the encoder's texts reach the template from
+    the chat template module's constants; the reply parser's old home still names it."""
+    from kimi_hf.models.kimi_hybrid import chat_markup_kimi_hybrid as kimi
+    from kimi_hf.models.kimi_k3 import chat_template_kimi_k3 as k3
+    from kimi_hf.models.kimi_k3 import xtml_kimi_k3 as xtml
+
     assert K3_STOP_TOKEN == "<|end_of_msg|>"
+    offsets = {name: off for off, (name, _) in K3_TOKEN_OFFSETS.items()}
+    assert [offsets[t] for t in xtml.XTML_TOKENS] == [2, 3, 4, 5]
+    assert [offsets[t] for t in xtml.K3_MEDIA_TOKENS] == [18, 19, 20, 21]
+    assert set(xtml.K3_MEDIA_TOKENS) == set(kimi.KIMI_MEDIA_TOKENS) and xtml.MEDIA_PAD == kimi.IMAGE_TOKEN
+    assert [offsets[t] for t in (kimi.BOS, kimi.EOS, kimi.UNK, kimi.PAD)] == [0, 1, 254, 255]
+    for text in (k3.TOOL_DECLARE_HEAD, k3.DYNAMIC_TOOL_DECLARE_HEAD, *k3.THINKING_EFFORT_PREAMBLE.split("{effort}")):
+        assert "'" + text.replace("\n", "\\n") + "'" in K3_CHAT_TEMPLATE
+    assert "${" not in K3_CHAT_TEMPLATE
+    assert k3.parse_k3_reply is parse_k3_reply and k3.K3ReplyError is K3ReplyError
 
 
 def test_plain_conversation(tok):

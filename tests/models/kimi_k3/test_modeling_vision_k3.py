@@ -464,3 +464,24 @@ def test_saved_k3_tower_reloads_through_the_base_classes(tmp_path):
     composite.save_pretrained(tmp_path / "composite")
     again = KimiHybridConfig.from_pretrained(tmp_path / "composite").vision_config
     assert type(again) is KimiK3VisionConfig and again.to_dict()["vt_hidden_size"] == 32
+
+
+def test_moonvit_name_table_gives_both_directions():
+    """One declaration (MOONVIT_NAMES) -> the load-time renames and the save's reverse renames, inverse of each
+    other on every entry (block index 7 standing for any)."""
+    import re
+
+    from kimi_hf.models.kimi_hybrid.conversion_mapping_kimi_hybrid import MOONVIT_NAMES, rename_pairs
+
+    def apply(pairs, name):
+        for src, tgt in pairs:
+            if re.match(src, name):
+                return re.sub(src, tgt, name, count=1)
+        return name
+
+    forward, back = rename_pairs(MOONVIT_NAMES), rename_pairs(MOONVIT_NAMES, reverse=True)
+    assert forward == moonvit_key_mapping()
+    for released, ours in MOONVIT_NAMES:
+        r, o = released.replace("{i}", "7") + "weight", ours.replace("{i}", "7") + "weight"
+        assert apply(forward, r) == o and apply(back, o) == r
+    assert apply(forward, "patch_embed.proj.weight") == "patch_embed.proj.weight"  # a same-name tensor

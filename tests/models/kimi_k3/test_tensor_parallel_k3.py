@@ -21,7 +21,8 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 from kimi_hf import KimiK3Config, KimiK3ForConditionalGeneration
-from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridMLA, check_parallel_layout
+from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridMLA
+from kimi_hf.models.kimi_hybrid.parallel_kimi_hybrid import check_parallel_layout
 
 from ..kimi_hybrid.test_tensor_parallel import ROOT, WORKER, assert_same_results, expected_shard, free_port
 from ..kimi_hybrid.tp_worker import QK_CLIP_GAMMA, compute

@@ -69,10 +69,11 @@ def main(argv=None):
     peak = {k: max(r[2] for r in v) for k, v in runs.items()}
     # the logit recorded during a step is clipped after it: from step 2 on, QK-Clip's never exceeds tau
     after_first = max(r[2] for r in runs["QK-Clip"][1:])
-    tail = {k: sum(r[1] for r in v[-20:]) / 20 for k, v in runs.items()}
+    last = min(20, args.steps)
+    tail = {k: sum(r[1] for r in v[-last:]) / last for k, v in runs.items()}
     print(
         f"\npeak max logit: no clip {peak['no clip']:.1f}, QK-Clip {peak['QK-Clip']:.1f} (after step 1: {after_first:.1f}, "
-        f"tau {args.tau}); mean loss of the last 20 steps: no clip {tail['no clip']:.3f}, QK-Clip {tail['QK-Clip']:.3f}"
+        f"tau {args.tau}); mean loss of the last {last} steps: no clip {tail['no clip']:.3f}, QK-Clip {tail['QK-Clip']:.3f}"
     )
 
     def draw(fig):

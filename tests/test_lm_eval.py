@@ -154,7 +154,6 @@ def test_lm_eval_cli_with_trust_remote_code(tmp_path):
     mc, ppl = report["results"]["kimi_tiny_mc"], report["results"]["kimi_tiny_ppl"]
     assert report["n-samples"]["kimi_tiny_mc"] == {"original": len(MC_DOCS), "effective": LIMIT}
     assert report["n-samples"]["kimi_tiny_ppl"] == {"original": len(PPL_DOCS), "effective": len(PPL_DOCS)}
-    assert 0.0 <= mc["acc,none"] <= 1.0
     for key in ("word_perplexity,none", "byte_perplexity,none", "bits_per_byte,none"):
         assert math.isfinite(ppl[key]) and ppl[key] > 0, (key, ppl)
 

@@ -78,6 +78,23 @@ def _parser(prog: str | None, doc: Template, fp32: tuple[str, ...]) -> ArgumentP
     )
 
 
+def _output_options(p: ArgumentParser, verify_layers: int | None = None) -> None:
+    """The options every converter shares: --max-shard-size, --no-progress and (verify_layers: the default of
+    --verify-layers) --verify."""
+    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    if verify_layers is not None:
+        p.add_argument(
+            "--verify", action="store_true", help="compare the logits of SRC and the result (fresh process)"
+        )
+        p.add_argument(
+            "--verify-layers",
+            type=layer_count,
+            default=verify_layers,
+            help=f"decoder layers --verify loads (0: all; default {verify_layers})",
+        )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _dtype(name):
     import torch
 
@@ -94,10 +111,7 @@ def kimi_linear_parser(prog: str | None = None) -> ArgumentParser:
         default=None,
         help="cast floating tensors (those the model keeps in float32 stay as they are)",
     )
-    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--verify", action="store_true", help="compare the logits of SRC and the result")
-    p.add_argument("--verify-layers", type=layer_count, default=2, help="decoder layers to load for --verify (0: all)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _output_options(p, verify_layers=2)
     return p
 
 
@@ -134,8 +148,7 @@ def k25_vision_parser(prog: str | None = None) -> ArgumentParser:
         default=None,
         help="cast floating tensors (those the model keeps in float32 stay as they are)",
     )
-    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _output_options(p)
     return p
 
 
@@ -171,15 +184,10 @@ def k3_parser(prog: str | None = None) -> ArgumentParser:
         help="dtype of the experts and the other floating tensors (those the release stores in float32 stay "
         "float32); default bfloat16",
     )
-    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
-    p.add_argument("--verify", action="store_true", help="compare the logits of SRC and the result (fresh process)")
-    p.add_argument(
-        "--verify-layers", type=layer_count, default=0, help="decoder layers --verify loads (default 0: all)"
-    )
     p.add_argument(
         "--overwrite", action="store_true", help="replace DST if it exists (once the new folder is complete)"
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _output_options(p, verify_layers=0)
     return p
 
 

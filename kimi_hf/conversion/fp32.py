@@ -5,8 +5,8 @@ Kimi K3's classes inherit it): the tensors from_pretrained(dtype=bfloat16 / floa
 fp32, because rounding them changes what the model computes. A converter that rounded one of them would lose
 precision that the loaded model then uses. Why each entry is fp32:
 
-    A_log, dt_bias               KDA's decay g = -exp(A_log) * softplus(... + dt_bias): a decay near 1 rounded to
-                                 bf16 is 1, a channel that never forgets
+    A_log, dt_bias               the parameters of KDA's gate (kimi_hf.ops.kda_inputs.kda_gate): a decay near 1
+                                 rounded to bf16 is 1, a channel that never forgets
     q_conv1d, k_conv1d, v_conv1d KDA's short convolutions, computed in fp32 (Kimi Linear and K3 store them F32)
     o_norm                       KDA's gated output norm, computed in fp32 (K3 stores its weight F32)
     e_score_correction_bias      the router's expert-choice bias: bf16's steps reorder experts whose scores are close

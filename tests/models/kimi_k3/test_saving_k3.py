@@ -235,5 +235,6 @@ def test_every_save_pretrained_keyword_reloads_the_same_model(release, tmp_path,
         keys = list(f.keys())
     released = all(k.startswith(("language_model.", "vision_tower.", "mm_projector.")) for k in keys)
     assert released == (kwargs.get("save_original_format", True)), keys[:3]
-    if "max_shard_size" in kwargs:
-        assert len(names) > 1
+    if "max_shard_size" in kwargs:  # sharded: the index names exactly the shards written, more than one
+        with open(tmp_path / "out" / "model.safetensors.index.json") as f:
+            assert sorted(set(json.load(f)["weight_map"].values())) == sorted(names) and len(names) > 1

@@ -2,7 +2,9 @@
 in a process where kimi_hf (and its kernels) cannot be imported, and checks them against the
 expected outputs the test saved.  Usage: remote_load_worker.py EXPECTED.pt NAME_OR_PATH [...]"""
 
+import os
 import sys
+import tempfile
 
 
 for blocked in ("kimi_hf", "kimi_hf_kernels", "fla"):
@@ -31,6 +33,18 @@ def check_processor(source, want):
     return inputs
 
 
+def check_resave(model, source):
+    """A model loaded from remote code saves its own code again (the exporter runs from the flat module cache):
+    the same files as the folder it came from, minus the processors' (saved by the processor)."""
+    if not os.path.isdir(source):
+        return
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)
+        saved = {f for f in os.listdir(out) if f.endswith(".py")}
+    assert saved and saved <= {f for f in os.listdir(source) if f.endswith(".py")}, (source, sorted(saved))
+    assert "modeling_kimi_hybrid.py" in saved, sorted(saved)
+
+
 def main():
     expected = torch.load(sys.argv[1])
     for source in sys.argv[2:]:
@@ -43,6 +57,7 @@ def main():
             with torch.no_grad():
                 out = model(pixel_values=want["pixel_values"], grid_thw=want["image_grid_thw"])
             assert torch.allclose(out.last_hidden_state, want["features"], atol=1e-5), source
+            check_resave(model, source)
             print(f"ok {source}")
             continue
         if want["kind"] in ("multimodal", "k3"):
@@ -60,6 +75,7 @@ def main():
             assert torch.allclose(logits, want["logits"], atol=1e-5), (source, auto.__name__)
             out = model.generate(**inputs, max_new_tokens=4, do_sample=False)
             assert torch.equal(out, want["generated"]), (source, auto.__name__)
+        check_resave(model, source)
         print(f"ok {source}")
 
 

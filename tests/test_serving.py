@@ -32,8 +32,8 @@ from kimi_hf.quickstart import markup_text, small_k3_model, small_multimodal_mod
 from kimi_hf.scenes import render_scene
 from kimi_hf.tokenization import train_tokenizer
 
+from .chat_helpers import reply_bias
 from .models.kimi_hybrid.helpers import tiny_config, tiny_processor
-from .test_chat import reply_bias
 
 
 pytest.importorskip("fastapi")

@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 from kimi_hf.optim import MuonClip, track_expert_load, update_expert_bias
 from tests.optim.accelerate_probe import check_setup
-from tests.optim.test_distributed import STEPS, batch, build, qk_clip_tau
+from tests.optim.distributed_helpers import STEPS, batch, build, qk_clip_tau
 
 
 LR = 1e-2

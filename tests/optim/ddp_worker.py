@@ -9,7 +9,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.optim.test_distributed import STEPS, batch, build
+from tests.optim.distributed_helpers import STEPS, batch, build
 
 
 def train(model, rank: int = 0, world: int = 1):

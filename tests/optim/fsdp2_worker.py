@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from torch.distributed.fsdp import fully_shard
 
 from kimi_hf.optim import MuonClip, track_expert_load, update_expert_bias
-from tests.optim.test_distributed import STEPS, batch, build, decoder_layers, qk_clip_tau
+from tests.optim.distributed_helpers import STEPS, batch, build, decoder_layers, qk_clip_tau
 
 
 def main(out: str, arch: str = "hybrid"):

@@ -11,7 +11,7 @@ from kimi_hf.optim import ExpertBiasCallback, MuonClip, track_expert_load, updat
 from kimi_hf.optim.expert_bias import expert_routers
 
 from ..models.kimi_hybrid.helpers import tiny_config
-from .test_trainer import args, dataset
+from .trainer_helpers import args, dataset
 
 
 def batch(seed=0):

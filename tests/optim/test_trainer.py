@@ -1,32 +1,13 @@
 """MuonClip inside transformers' Trainer: both ways of passing it, QK-Clip stats in the logs."""
 
 import torch
-from datasets import Dataset
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from kimi_hf import KimiHybridForCausalLM
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
 from ..models.kimi_hybrid.helpers import tiny_config
-
-
-def dataset(n=16, T=24):
-    x = torch.randint(3, 97, (n, T), generator=torch.Generator().manual_seed(0))
-    return Dataset.from_dict({"input_ids": x.tolist(), "labels": x.tolist()})
-
-
-def args(tmp_path, **kw):
-    return TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=6,
-        per_device_train_batch_size=4,
-        logging_steps=2,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        **kw,
-    )
+from .trainer_helpers import args, dataset
 
 
 def test_trainer_with_optimizers_tuple_logs_qk_clip(tmp_path):

@@ -139,13 +139,21 @@ def model_modules(model_type: str, processors: bool = False) -> list[str]:
     )
 
 
+# Code files that earlier versions of kimi_hf wrote into saved folders and no model's closure has any more (their
+# code moved into other files): a save into such a folder removes them, so that it holds the current code only
+FORMER_CODE_FILES = ("hub_kimi_hybrid.py", "mxfp4_kimi_hybrid.py")
+
+
 def export_code(save_directory: str, modules) -> list[str]:
     """Writes the import closure of `modules`, flattened, into save_directory (each file atomically, with normal
-    permissions). Returns the file names."""
+    permissions) and removes FORMER_CODE_FILES there. Returns the file names written."""
     closure = import_closure(modules)
     for name, path in sorted(closure.items()):
         with open(path, encoding="utf-8") as f:
             atomic_write(os.path.join(save_directory, name), flatten_imports(f.read()))
+    for name in FORMER_CODE_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(save_directory, name))
     return sorted(closure)
 
 
@@ -377,6 +385,7 @@ __all__ = [
     "AUTO_MAPS",
     "PROCESSOR_AUTO_CLASSES",
     "atomic_write",
+    "FORMER_CODE_FILES",
     "RemoteCodeProcessorMixin",
     "export_code",
     "flatten_imports",

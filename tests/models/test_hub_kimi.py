@@ -209,6 +209,16 @@ def test_remote_code_loads_every_model_type_without_kimi_hf_and_by_repo_id_offli
     assert out.stdout.split() == [w for source in expected for w in ("ok", source)]
 
 
+def test_a_save_over_an_older_kimi_hf_folder_leaves_only_current_code(tmp_path):
+    """A folder saved by kimi_hf before K3 got its own folder held hub_kimi_hybrid.py and mxfp4_kimi_hybrid.py;
+    saving into it again removes them (and leaves a user's own files alone)."""
+    for name in (*hub_kimi.FORMER_CODE_FILES, "my_script.py"):
+        (tmp_path / name).write_text("# old\n")
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(tmp_path)
+    code = {f for f in os.listdir(tmp_path) if f.endswith(".py")}
+    assert code == set(hub_kimi.import_closure(hub_kimi.model_modules("kimi_hybrid_text"))) | {"my_script.py"}
+
+
 def test_the_exporter_refuses_what_a_flat_folder_cannot_hold(tmp_path):
     pkg = tmp_path / "pkg"
     (pkg / "a").mkdir(parents=True)

@@ -21,18 +21,18 @@ import time
 from dataclasses import dataclass
 
 # the presets' old home: SIZES and the small models stay importable from here
+from .atomic_io import atomic_write
 from .presets import SIZES, small_k3_config, small_k3_model, small_multimodal_model
 
 
 TEXT_PROMPT = "Write some Python."
 ARCHS = {"k3": "Kimi K3", "kimi-linear": "Kimi Linear"}  # --arch: the architecture trained
-# what run_quickstart writes under `out`: directories, then files (summary.json goes through a temporary file)
+# what run_quickstart writes under `out`: directories, then files
 OUTPUT_DIRS = {"model": "the trained model and processor", "trainer": "the Trainer's output_dir"}
 OUTPUT_FILES = {
     "loss.png": "the loss plot",
     "question.png": "the question image",
     "summary.json": "the summary",
-    "summary.json.tmp": "the summary's temporary file",
 }
 
 
@@ -404,12 +404,8 @@ def loss_summary(losses: list[float]) -> dict:
 
 
 def write_summary(out: str, summary: dict) -> str:
-    """out/summary.json, written through a temporary file (never half written); returns its path."""
-    summary_path = os.path.join(out, "summary.json")
-    with open(summary_path + ".tmp", "w") as f:
-        json.dump(summary, f, indent=2)
-    os.replace(summary_path + ".tmp", summary_path)
-    return summary_path
+    """out/summary.json, written atomically (never half written); returns its path."""
+    return atomic_write(os.path.join(out, "summary.json"), json.dumps(summary, indent=2))
 
 
 def print_report(result: QuickstartResult, held_out_n: int) -> None:

@@ -9,21 +9,14 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 from torch.nn.parallel import DistributedDataParallel
 
+from tests.models.kimi_hybrid.helpers import train_losses
 from tests.optim.distributed_helpers import STEPS, batch, build
 
 
 def train(model, rank: int = 0, world: int = 1):
     # SGD: linear in the gradients, so the ranks' rounding stays at rounding level (Adam would divide it by ~0)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
-    losses = []
-    for step in range(STEPS):
-        x = batch(step)[rank::world]
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, opt, [batch(step)[rank::world] for step in range(STEPS)])
 
 
 def prepared(checkpointing: bool = True):

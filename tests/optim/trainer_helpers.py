@@ -1,4 +1,4 @@
-"""The data and TrainingArguments the Trainer tests share (test_trainer, test_expert_bias)."""
+"""The data and TrainingArguments the Trainer tests share (test_trainer, test_expert_bias, test_training_k3)."""
 
 import torch
 from datasets import Dataset
@@ -11,8 +11,8 @@ def dataset(n=16, T=24):
 
 
 def args(tmp_path, **kw):
-    return TrainingArguments(
-        output_dir=str(tmp_path),
+    """TrainingArguments of a short CPU run writing nothing but tmp_path; kw override or add to them."""
+    defaults = dict(
         max_steps=6,
         per_device_train_batch_size=4,
         logging_steps=2,
@@ -20,5 +20,5 @@ def args(tmp_path, **kw):
         save_strategy="no",
         use_cpu=True,
         disable_tqdm=True,
-        **kw,
     )
+    return TrainingArguments(output_dir=str(tmp_path), **{**defaults, **kw})

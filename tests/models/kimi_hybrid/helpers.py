@@ -34,6 +34,19 @@ def tiny_config(**overrides) -> KimiHybridTextConfig:
     return KimiHybridTextConfig(**{**TINY, **overrides})
 
 
+def train_losses(model, opt, batches) -> list[float]:
+    """A plain training loop (the tests' one): a causal-LM step per batch of input ids (labels = inputs, no
+    cache), the losses as floats."""
+    losses = []
+    for x in batches:
+        loss = model(input_ids=x, labels=x, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 

@@ -6,19 +6,12 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from kimi_hf import LORA_TARGET_MODULES, KimiHybridForCausalLM
 
-from .helpers import rel_err, tiny_config
+from .helpers import rel_err, tiny_config, train_losses
 
 
 def train_steps(model, x, steps=3):
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        loss = model(input_ids=x, labels=x, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    return train_losses(model, opt, [x] * steps)
 
 
 @pytest.mark.parametrize("targets", ["all-linear", LORA_TARGET_MODULES])

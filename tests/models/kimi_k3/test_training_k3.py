@@ -8,13 +8,14 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 
 from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiDeltaAttention, KimiHybridMLA
 from kimi_hf.models.kimi_k3.configuration_kimi_k3 import KimiK3Config
 from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES, KimiK3ForConditionalGeneration
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
+from ...optim.trainer_helpers import args as training_args
 from .release_format import tiny_k3_config
 
 
@@ -166,22 +167,17 @@ def test_trainer_with_muonclip_on_text_and_image_batches(tmp_path):
     # bound, ~log(T) here, and a tau below it would clip every head at every step)
     model = k3_model(attn_implementation="eager")
     opt = MuonClip.from_model(model, lr=1e-2, qk_clip_tau=0.065)
-    args = TrainingArguments(
-        output_dir=str(tmp_path),
-        max_steps=8,
-        per_device_train_batch_size=1,
-        logging_steps=1,
-        report_to=[],
-        save_strategy="no",
-        use_cpu=True,
-        disable_tqdm=True,
-        remove_unused_columns=False,
-        dataloader_num_workers=0,
-        seed=0,
-    )
     trainer = Trainer(
         model=model,
-        args=args,
+        args=training_args(
+            tmp_path,
+            max_steps=8,
+            per_device_train_batch_size=1,
+            logging_steps=1,
+            remove_unused_columns=False,
+            dataloader_num_workers=0,
+            seed=0,
+        ),
         train_dataset=_Batches(),
         data_collator=_AlternatingCollator(),
         optimizers=(opt, None),

@@ -227,7 +227,7 @@ def _dequantize(out: OutputTensor, packed, scale, src: str):
     tensor: a converter must not write inf or NaN weights."""
     import torch
 
-    from ..models.kimi_k3.mxfp4_kimi_k3 import dequantize_mxfp4
+    from ..ops.mxfp4 import dequantize_mxfp4
 
     where = f"{out.scale.name} (in {os.path.join(src, out.scale.file)})"
     top = int(scale.max()) if scale.numel() else 0

@@ -104,8 +104,12 @@ def _load(path: str, layers: int):
     config_cls = type(AutoConfig.for_model(cfg["model_type"]))
     skip = ("model_type", "architectures", "auto_map", "transformers_version")
     config = config_cls(**{k: v for k, v in cfg.items() if k not in skip})
-    model_cls = kimi_hf.KimiK3ForConditionalGeneration if cfg["model_type"] == "kimi_k3" else AutoModelForCausalLM
-    model, info = model_cls.from_pretrained(path, config=config, dtype=torch.float32, output_loading_info=True)
+    kwargs = dict(config=config, dtype=torch.float32, output_loading_info=True)
+    if cfg["model_type"] == "kimi_k3":  # the experts dequantised as the converted folder holds them: one code path
+        model_cls, kwargs["experts_format"] = kimi_hf.KimiK3ForConditionalGeneration, "dense"
+    else:
+        model_cls = AutoModelForCausalLM
+    model, info = model_cls.from_pretrained(path, **kwargs)
     whole = _text_config(cfg)["num_hidden_layers"] == _text_config(full)["num_hidden_layers"]
     return model.eval(), config, info if whole else None
 

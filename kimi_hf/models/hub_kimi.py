@@ -141,7 +141,7 @@ def model_modules(model_type: str, processors: bool = False) -> list[str]:
 
 # Code files that earlier versions of kimi_hf wrote into saved folders and no model's closure has any more (their
 # code moved into other files): a save into such a folder removes them, so that it holds the current code only
-FORMER_CODE_FILES = ("hub_kimi_hybrid.py", "mxfp4_kimi_hybrid.py")
+FORMER_CODE_FILES = ("hub_kimi_hybrid.py", "mxfp4_kimi_hybrid.py", "mxfp4_kimi_k3.py")
 
 
 def export_code(save_directory: str, modules) -> list[str]:

@@ -1,7 +1,31 @@
-"""Stable public home of the operators: `from kimi_hf.ops import chunk_kda, recurrent_kda, depth_attention`."""
+"""Stable public home of the operators: `from kimi_hf.ops import chunk_kda, recurrent_kda, depth_attention`.
 
-from .depth_attention import depth_attention, depth_attention_weights
-from .kda import chunk_kda, l2norm, naive_recurrent_kda, recurrent_kda
+Loaded lazily (PEP 562): importing one op module (e.g. `kimi_hf.ops.mxfp4`, the MXFP4 codec that the converters
+use) does not import the others, nor the Triton kernels behind KDA.
+"""
+
+import importlib
 
 
-__all__ = ["chunk_kda", "recurrent_kda", "naive_recurrent_kda", "l2norm", "depth_attention", "depth_attention_weights"]
+_EXPORTS = {
+    "chunk_kda": "kda",
+    "recurrent_kda": "kda",
+    "naive_recurrent_kda": "kda",
+    "l2norm": "kda",
+    "depth_attention": "depth_attention",
+    "depth_attention_weights": "depth_attention",
+    "dequantize_mxfp4": "mxfp4",
+    "quantize_mxfp4": "mxfp4",
+    "mxfp4_grouped_linear": "mxfp4_matmul",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

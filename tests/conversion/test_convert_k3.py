@@ -78,7 +78,9 @@ def text_ids(T=12):
 
 
 def logits(folder) -> torch.Tensor:
-    model, info = KimiK3ForConditionalGeneration.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    model, info = KimiK3ForConditionalGeneration.from_pretrained(
+        folder, dtype=torch.float32, output_loading_info=True, experts_format="dense"
+    )
     assert {k: list(v) for k, v in info.items()} == dict(
         missing_keys=[], unexpected_keys=[], mismatched_keys=[], error_msgs=[]
     )

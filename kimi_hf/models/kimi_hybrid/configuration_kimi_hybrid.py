@@ -13,7 +13,7 @@ from transformers.activations import ACT2FN
 from transformers.configuration_utils import PreTrainedConfig, SubConfigSpec
 
 from .configuration_kimi_hybrid_vision import EXTRA_ATTRIBUTES_KEY, TRANSFORMERS_GENERIC_FIELDS, KimiHybridVisionConfig
-from .parallel_kimi_hybrid import EP_PLAN, pp_plan_for, tp_plan_for
+from .parallel_kimi_hybrid import ep_plan_for, pp_plan_for, tp_plan_for
 
 
 LAYER_TYPES = ("linear_attention", "full_attention")  # KDA, MLA
@@ -171,7 +171,6 @@ class KimiHybridTextConfig(PreTrainedConfig):
     }
     # The parallel plans (docs/parallelism.md, parallel_kimi_hybrid.py): TP_PLAN, EP_PLAN and PP_PLAN / ATTN_RES_PP_PLAN, read through
     # the properties base_model_tp_plan / base_model_pp_plan, which follow the instance's architecture.
-    base_model_ep_plan = EP_PLAN
 
     vocab_size: int = 163840
     hidden_size: int = 2304
@@ -285,6 +284,11 @@ class KimiHybridTextConfig(PreTrainedConfig):
         rules without such layers, ...), which transformers would otherwise warn about at every load. A property:
         it follows attributes changed after construction, and transformers never serializes it."""
         return tp_plan_for(self)
+
+    @property
+    def base_model_ep_plan(self) -> dict[str, str]:
+        """EP_PLAN, with the scales of routed experts kept in MXFP4 (Kimi K3's experts_format="mxfp4")."""
+        return ep_plan_for(self)
 
     @property
     def base_model_pp_plan(self) -> dict[str, tuple[list[str], list[str]]]:

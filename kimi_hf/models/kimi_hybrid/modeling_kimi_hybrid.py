@@ -35,6 +35,8 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...ops.depth_attention import depth_attention, depth_attention_weights
 from ...ops.kda import chunk_kda, recurrent_kda
+from ...ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+from ...ops.mxfp4_matmul import mxfp4_grouped_linear
 from ..hub_kimi import RemoteCodeMixin
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
@@ -611,6 +613,69 @@ class KimiHybridExperts(nn.Module):
         return y
 
 
+MXFP4_TRAINING_ERROR = (
+    "the routed experts are kept as their MXFP4 bytes (experts_format='mxfp4'), which cannot be trained, but this "
+    "MoE layer is being trained in full (its router requires grad), so its experts would silently stay as they are: "
+    "load the model with from_pretrained(..., experts_format='dense') to train the experts, train adapters instead "
+    "(PEFT LoRA, e.g. target_modules=K3_LORA_TARGET_MODULES, freezes the rest), or freeze the MoE layers' own "
+    "weights (requires_grad_(False))"
+)
+
+
+class KimiHybridMxfp4Experts(nn.Module):
+    """The routed experts kept as their MXFP4 bytes (Kimi K3's release, `experts_format="mxfp4"`), stacked per layer
+    in the dense experts' layout: gate_up_proj [E, 2I, hidden / 2] uint8 (two E2M1 codes a byte, gate rows first)
+    with gate_up_proj_scale [E, 2I, hidden / 32] uint8 (E8M0, one per 32 inputs), down_proj [E, hidden, I / 2] with
+    down_proj_scale [E, hidden, I / 32] (ops/mxfp4.py has the format). The same names and dims as the dense
+    parameters, so the TP / EP plans and the load-time conversion address both (a TP rank's slice of down_proj's
+    input holds whole 32-value blocks: checked at load). Frozen: the bytes take no gradient, the input does (LoRA
+    adapters before and after the experts train through them). Each expert with tokens is dequantised on the fly,
+    one at a time (ops/mxfp4_matmul.py; a Triton kernel on CUDA decodes tiles in registers instead)."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__()
+        E, H, inter = (
+            config.num_experts,
+            config.routed_expert_hidden_size or config.hidden_size,
+            config.moe_intermediate_size,
+        )
+        if H % 32 or inter % 32:
+            raise ValueError(
+                f"experts_format='mxfp4': the experts' widths ({H}, moe_intermediate_size {inter}) must be multiples "
+                "of 32, the MXFP4 block"
+            )
+        self.num_experts = E
+
+        def frozen(*shape):
+            return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
+
+        self.gate_up_proj, self.gate_up_proj_scale = frozen(E, 2 * inter, H // 2), frozen(E, 2 * inter, H // 32)
+        self.down_proj, self.down_proj_scale = frozen(E, H, inter // 2), frozen(E, H, inter // 32)
+        self.glu = KimiHybridGLU(config)
+
+    def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """gate_up_proj / down_proj as the dense experts hold it, [E, out, in] of dtype (exact; all experts at once:
+        for tests, merging and export, not the forward)."""
+        return dequantize_mxfp4(getattr(self, name), getattr(self, name + "_scale"), dtype=dtype, name=name)
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]; indices, weights [N, k] -> [N, hidden], as KimiHybridExperts (index num_experts: a route
+        to another rank's expert under expert parallelism, skipped)."""
+        E = self.num_experts
+        k = indices.shape[1]
+        flat = indices.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=E).tolist()[:E]  # EP sentinels (index E) sort last: dropped
+        local = sum(counts)
+        order = order[:local]
+        token = order // k
+        h = mxfp4_grouped_linear(x[token], self.gate_up_proj, self.gate_up_proj_scale, counts)
+        gate, up = h.chunk(2, dim=-1)
+        y = mxfp4_grouped_linear(self.glu(gate, up), self.down_proj, self.down_proj_scale, counts)
+        y = y * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, y)
+
+
 class KimiHybridMoE(nn.Module):
     """Routed experts plus always-on shared experts. With routed_expert_hidden_size (Kimi K3's Stable LatentMoE)
     the router still reads the full hidden x, the routed experts run on z = routed_expert_down_proj(x) and their
@@ -620,7 +685,9 @@ class KimiHybridMoE(nn.Module):
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
         self.gate = KimiHybridRouter(config)
-        self.experts = KimiHybridExperts(config)
+        # Kimi K3 loaded with experts_format="mxfp4" keeps the routed experts as their released bytes
+        resident = getattr(config, "experts_format", "dense") == "mxfp4"
+        self.experts = (KimiHybridMxfp4Experts if resident else KimiHybridExperts)(config)
         latent = config.routed_expert_hidden_size
         if latent is not None:
             self.routed_expert_down_proj = nn.Linear(config.hidden_size, latent, bias=False)
@@ -636,6 +703,13 @@ class KimiHybridMoE(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (
+            self.training
+            and torch.is_grad_enabled()
+            and isinstance(self.experts, KimiHybridMxfp4Experts)
+            and self.gate.weight.requires_grad
+        ):
+            raise ValueError(MXFP4_TRAINING_ERROR)
         flat = x.reshape(-1, x.shape[-1])
         _, weights, indices = self.gate(flat)
         if self.latent:
@@ -808,6 +882,14 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         elif isinstance(module, KimiHybridExperts):
             init.normal_(module.gate_up_proj, mean=0.0, std=std)
             init.normal_(module.down_proj, mean=0.0, std=std)
+        elif isinstance(module, KimiHybridMxfp4Experts):  # a model built from a config: normal weights, MX-rounded
+            for name in ("gate_up_proj", "down_proj"):
+                packed = getattr(module, name)
+                if packed.device.type != "meta" and not getattr(packed, "_is_hf_initialized", False):
+                    dense = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1]).normal_(0.0, std)
+                    packed_bytes, scale = quantize_mxfp4(dense, name=name, exact=False)
+                    init.copy_(packed, packed_bytes)
+                    init.copy_(getattr(module, name + "_scale"), scale)
         elif isinstance(module, KimiHybridRouter):
             init.normal_(module.weight, mean=0.0, std=std)
             init.zeros_(module.e_score_correction_bias)

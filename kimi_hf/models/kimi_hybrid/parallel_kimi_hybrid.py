@@ -74,6 +74,27 @@ EP_PLAN = {
     "layers.*.mlp.experts.down_proj": "grouped_gemm",
     "layers.*.mlp.experts": "ep_dispatch_experts",
 }
+# Routed experts kept in MXFP4 (KimiHybridMxfp4Experts): the packed bytes are named as the dense weights and split
+# the same way (rows of gate_up_proj, inputs of down_proj); their E8M0 scales, one per 32 inputs, go with them
+MXFP4_SCALES = {"layers.*.mlp.experts.gate_up_proj": "_scale", "layers.*.mlp.experts.down_proj": "_scale"}
+
+
+def _with_scales(plan: dict[str, str], config) -> dict[str, str]:
+    """plan plus, for resident MXFP4 experts, each packed tensor's scale under the packed tensor's rule."""
+    if getattr(config, "experts_format", "dense") != "mxfp4":
+        return plan
+    out = dict(plan)
+    for key, suffix in MXFP4_SCALES.items():
+        if key in plan:
+            out[key + suffix] = plan[key]
+    return out
+
+
+def ep_plan_for(config) -> dict[str, str]:
+    """EP_PLAN (plus the MXFP4 scales of resident experts)."""
+    return _with_scales(EP_PLAN, config)
+
+
 # What each stage passes on. With Attention Residuals (attn_residual != "none") a layer maps the partial sum
 # and the completed depth blocks to the same pair, and the final depth attention precedes the norm: the
 # instance's plan then is ATTN_RES_PP_PLAN (transformers' naive pipeline, which sends one tensor between stages,
@@ -122,7 +143,8 @@ def tp_plan_for(config) -> dict[str, str]:
         absent.add("g_proj")
     if kda and config.kda_full_rank_output_gate:
         absent.add("g_b_proj")
-    return {k: v for k, v in TP_PLAN.items() if not any(f".{name}." in f".{k}." for name in absent)}
+    plan = {k: v for k, v in TP_PLAN.items() if not any(f".{name}." in f".{k}." for name in absent)}
+    return _with_scales(plan, config)
 
 
 def pp_plan_for(config) -> dict[str, tuple[list[str], list[str]]]:

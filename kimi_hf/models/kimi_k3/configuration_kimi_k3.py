@@ -61,6 +61,9 @@ K3_MXFP4_QUANTIZATION_CONFIG = {
 }
 
 
+EXPERTS_FORMATS = ("auto", "mxfp4", "dense")
+
+
 def experts_are_mxfp4(text_config) -> bool:
     """Whether a K3 text config says its routed experts are stored MXFP4-packed (compressed-tensors)."""
     q = getattr(text_config, "experts_quantization_config", None)
@@ -115,6 +118,7 @@ class KimiK3TextConfig(KimiHybridTextConfig):
         # otherwise look for the compressed-tensors quantizer (and its package) at from_pretrained.
         self.experts_quantization_config = kwargs.pop("quantization_config", None)
         experts_are_mxfp4(self)  # refuses another scheme now, by name
+        self._experts_format = "dense"  # in memory; a runtime setting, never serialised (see experts_format)
         if "attn_res_block_size" in kwargs and kwargs["attn_res_block_size"] is None:  # released null: the residual
             self.attn_residual, self.attn_residual_block_size = "none", None
         super().__post_init__(**kwargs)
@@ -136,6 +140,29 @@ class KimiK3TextConfig(KimiHybridTextConfig):
                 "a K3 text config has dense FFNs only in the first layers (first_k_dense_replace): "
                 f"mlp_layer_types {self.mlp_layer_types}"
             )
+
+    @property
+    def experts_format(self) -> str:
+        """How the model holds its routed experts in memory: "dense" (stacked weights of the model's dtype, trainable)
+        or "mxfp4" (the released MXFP4 bytes, frozen, dequantised on the fly: KimiHybridMxfp4Experts). Set by
+        `from_pretrained(..., experts_format=)` before the model is built; "auto" resolves to "mxfp4" when the config
+        says the experts are stored in MXFP4 (quantization_config), else "dense". Not written to config.json."""
+        return self._experts_format
+
+    @experts_format.setter
+    def experts_format(self, value: str) -> None:
+        if value not in EXPERTS_FORMATS:
+            raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {value!r}")
+        stored = experts_are_mxfp4(self)
+        if value == "auto":
+            value = "mxfp4" if stored else "dense"
+        elif value == "mxfp4" and not stored:
+            raise ValueError(
+                "experts_format='mxfp4' keeps the routed experts as their MXFP4 bytes, but this config's experts are "
+                "not stored in MXFP4 (text_config has no compressed-tensors quantization_config): use "
+                "experts_format='dense', or save the model with save_pretrained(..., experts_format='mxfp4') first"
+            )
+        self._experts_format = value
 
     def to_json_string(self, use_diff: bool = True) -> str:
         """A text config saved on its own (KimiK3ForCausalLM's config.json): the released field names and values
@@ -277,6 +304,7 @@ class KimiK3Config(KimiHybridConfig):
 
 
 __all__ = [
+    "EXPERTS_FORMATS",
     "K3_MXFP4_QUANTIZATION_CONFIG",
     "KimiK3Config",
     "KimiK3TextConfig",

@@ -50,15 +50,17 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
 
 
 class DequantizeMxfp4(ConversionOps):
-    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts
-    tensor, losslessly, in one pass: each expert's `*.weight_packed` [out, in/2] uint8 with its `*.weight_scale`
-    [out, in/32] is decoded straight into its slice of the target [E, sum of outs, in] (w1 rows then w3 rows for
-    gate_up_proj, as the source patterns are ordered; w2 alone for down_proj), so one layer's experts exist once
-    in the model's dtype while they load (no stacked copy, no concatenation copy)."""
+    """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts, in one
+    pass over each expert's `*.weight_packed` [out, in/2] uint8 and `*.weight_scale` [out, in/32] (w1 rows then w3
+    rows for gate_up_proj, as the source patterns are ordered; w2 alone for down_proj), checked first (shapes, no NaN
+    scale byte). Into a floating target (experts_format="dense") each expert is decoded, losslessly, straight into
+    its slice of [E, sum of outs, in]; into a uint8 target (experts_format="mxfp4": KimiHybridMxfp4Experts) the bytes
+    are stacked as they are, packed into the target and scales into `<target>_scale`. Either way one layer's experts
+    exist once while they load (no stacked copy, no concatenation copy) and each source goes once it is used."""
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        from .mxfp4_kimi_k3 import dequantize_mxfp4
+        from ...ops.mxfp4 import check_mxfp4, dequantize_mxfp4
 
         dtype = torch.bfloat16
         if model is not None and full_layer_name is not None:
@@ -66,6 +68,7 @@ class DequantizeMxfp4(ConversionOps):
                 dtype = model.get_parameter(full_layer_name).dtype
             except AttributeError:
                 pass
+        resident = dtype == torch.uint8
         parts = []  # (pattern, packed list, scale list)
         for pattern in source_patterns:
             if not pattern.endswith("weight_packed"):
@@ -93,17 +96,26 @@ class DequantizeMxfp4(ConversionOps):
         cols = {2 * packed[0].shape[-1] for _, packed, _ in parts}
         if len(cols) != 1:
             raise ValueError(f"{full_layer_name}: the MXFP4 tensors disagree on the input width: {sorted(cols)}")
-        out = torch.empty(E, sum(rows), cols.pop(), dtype=dtype, device=parts[0][1][0].device)
+        n_in, device = cols.pop(), parts[0][1][0].device
+        if resident:
+            out = torch.empty(E, sum(rows), n_in // 2, dtype=torch.uint8, device=device)
+            out_scale = torch.empty(E, sum(rows), n_in // 32, dtype=torch.uint8, device=device)
+        else:
+            out = torch.empty(E, sum(rows), n_in, dtype=dtype, device=device)
         start = 0
         for (pattern, packed, scales), n in zip(parts, rows):
             name = f"{full_layer_name} ({pattern})"
             for e in range(E):
                 p, s = _as_bytes(packed[e], name), _as_bytes(scales[e], name)
-                if p.shape[-2] != n:
-                    raise ValueError(f"{name}[{e}]: {p.shape[-2]} rows, expert 0 has {n}")
-                out[e, start : start + n] = dequantize_mxfp4(p, s, dtype=dtype, name=f"{name}[{e}]")
-                packed[e] = scales[e] = None  # the source bytes go as soon as they are decoded
+                check_mxfp4(p, s, f"{name}[{e}]", expected_shape=(n, n_in))
+                if resident:
+                    out[e, start : start + n], out_scale[e, start : start + n] = p, s
+                else:
+                    out[e, start : start + n] = dequantize_mxfp4(p, s, dtype=dtype, name=f"{name}[{e}]")
+                packed[e] = scales[e] = None  # the source bytes go as soon as they are used
             start += n
+        if resident:
+            return {target_patterns[0]: out, target_patterns[0] + "_scale": out_scale}
         return {target_patterns[0]: out}
 
     @property

@@ -10,12 +10,14 @@ the router weight, experts re-packed as MXFP4 or written as plain `.weight` tens
 """
 
 import contextlib
+import glob
 import os
 import re
 
 import torch
 from transformers.utils import logging
 
+from ...ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from ..kimi_hybrid.conversion_mapping_kimi_hybrid import EXPERT_WEIGHTS, MOE_BLOCK, MOONVIT_NAMES, rename_pairs
 from ..kimi_hybrid.modeling_kimi_hybrid import KimiHybridForCausalLM, KimiHybridTextModel
 from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import (
@@ -23,10 +25,15 @@ from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import (
     KimiHybridModel,
     _is_dtensor,
 )
-from .configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG, KimiK3Config, KimiK3TextConfig, experts_are_mxfp4
+from .configuration_kimi_k3 import (
+    EXPERTS_FORMATS,
+    K3_MXFP4_QUANTIZATION_CONFIG,
+    KimiK3Config,
+    KimiK3TextConfig,
+    experts_are_mxfp4,
+)
 from .conversion_mapping_kimi_k3 import K3_PREFIXES, K3_RES_NAMES, K3_RES_PARAMS
 from .conversion_mapping_kimi_k3 import register_k3 as _register_k3_conversion_mapping
-from .mxfp4_kimi_k3 import quantize_mxfp4
 
 
 _register_k3_conversion_mapping()
@@ -72,7 +79,78 @@ class KimiK3ForCausalLM(KimiHybridForCausalLM):
     text_model_class = KimiK3TextModel
 
 
-class KimiK3Model(KimiHybridModel):
+def check_mxfp4_headers(folder: str, text_config) -> None:
+    """Every routed expert's `weight_packed` / `weight_scale` in a released folder's safetensors headers (shapes and
+    dtypes only: no tensor is read) against the config: uint8, [out, in / 2] / [out, in / 32] of w1 / w3 [I, latent]
+    and w2 [latent, I], experts below num_experts. A ValueError names the first bad tensor and its file."""
+    from safetensors import safe_open
+
+    latent = text_config.routed_expert_hidden_size or text_config.hidden_size
+    inter = text_config.moe_intermediate_size
+    logical = {"w1": (inter, latent), "w3": (inter, latent), "w2": (latent, inter)}
+    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                m = _RELEASED_EXPERT.match(key)
+                if m is None or m.group(4) == "weight":
+                    continue
+                layer, e, w, part = m.groups()
+                out, n_in = logical[w]
+                want = (out, n_in // 2) if part == "weight_packed" else (out, n_in // 32)
+                view = f.get_slice(key)
+                shape, dtype = tuple(view.get_shape()), view.get_dtype()
+                where = f"{key} ({os.path.basename(path)})"
+                if dtype != "U8":
+                    raise ValueError(f"{where}: MXFP4 {part} must be uint8 (U8), got {dtype}")
+                if shape != want:
+                    raise ValueError(
+                        f"{where}: shape {list(shape)}, expected {list(want)} for the [{out}, {n_in}] {w} weight of "
+                        f"moe_intermediate_size {inter} / routed_expert_hidden_size {latent} (two E2M1 codes a byte, "
+                        "one scale byte per 32)"
+                    )
+                if int(e) >= text_config.num_experts:
+                    raise ValueError(f"{where}: expert {e}, but the config has num_experts {text_config.num_experts}")
+
+
+class KimiK3ExpertsFormatMixin:
+    """`from_pretrained(k3_dir, experts_format=...)` of the K3 models that read the released folder: "mxfp4" keeps the
+    routed experts as their MXFP4 bytes in memory (frozen, dequantised on the fly: 4.25 bits a weight instead of 16),
+    "dense" dequantises them at load into the model's dtype (to train them), "auto" (the default) is "mxfp4" for a
+    folder that stores them in MXFP4, else "dense". Constructing a model from a config holds them dense unless
+    `experts_format=` is passed (or config.text_config.experts_format was set)."""
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str = "auto", **kwargs):
+        if experts_format not in EXPERTS_FORMATS:
+            raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
+        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
+        if os.path.isfile(os.path.join(folder, "config.json")):  # a local folder: its MXFP4 headers, before any weight
+            config = kwargs.get("config")
+            if not isinstance(config, KimiK3Config):
+                config = KimiK3Config.from_pretrained(folder)
+            check_mxfp4_headers(folder, config.get_text_config())
+        return super().from_pretrained(pretrained_model_name_or_path, *args, experts_format=experts_format, **kwargs)
+
+    def __init__(self, config, experts_format: str | None = None):
+        if experts_format is not None:
+            config.get_text_config().experts_format = experts_format
+        super().__init__(config)
+
+    def requires_grad_(self, requires_grad: bool = True):
+        """nn.Module.requires_grad_, leaving integer tensors alone (the MXFP4 bytes of resident routed experts take
+        no gradient; training their MoE layers in full is refused in the forward, with an explanation)."""
+        for param in self.parameters():
+            if param.is_floating_point() or param.is_complex() or not requires_grad:
+                param.requires_grad_(requires_grad)
+        return self
+
+    @property
+    def experts_format(self) -> str:
+        """ "mxfp4" (routed experts resident as MXFP4 bytes) or "dense"."""
+        return self.config.get_text_config().experts_format
+
+
+class KimiK3Model(KimiK3ExpertsFormatMixin, KimiHybridModel):
     """Vision tower (MoonViT3d), patchmergerv2 projector and the K3 text backbone, image features written at the
     `media_placeholder_token_id` positions."""
 
@@ -160,7 +238,10 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
     text = model.config.text_config
     sparse = {i for i, t in enumerate(text.mlp_layer_types) if t == "sparse"}
     out = {}
-    for name, tensor in (model.state_dict() if state_dict is None else state_dict).items():
+    state = model.state_dict() if state_dict is None else state_dict
+    for name, tensor in state.items():
+        if name.endswith(_SCALE) and name[: -len(_SCALE)].rpartition(".")[2] in EXPERT_WEIGHTS:
+            continue  # a resident expert's E8M0 scales: written with its packed bytes
         tensor = _full(tensor.detach())
         key, shape = _released_name(name, sparse)
         if shape is not None:
@@ -178,6 +259,11 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
             # kept fp32 in memory, stored in the model's dtype as released, unless that would round it (trained)
             tensor = tensor.to(model.dtype)
         base, _, leaf = key.rpartition(".")
+        if base.endswith(".experts") and leaf in EXPERT_WEIGHTS and tensor.dtype == torch.uint8:
+            _released_mxfp4_experts(
+                out, base, leaf, tensor, _full(state[name + _SCALE].detach()), experts_format, model
+            )
+            continue
         if base.endswith(".experts") and leaf in EXPERT_WEIGHTS:
             names = EXPERT_WEIGHTS[leaf]  # the stacked rows are the experts' weights in this order
             parts = dict(zip(names, tensor.chunk(len(names), dim=1)))
@@ -197,6 +283,23 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
             continue
         out[key] = tensor
     return out
+
+
+_SCALE = "_scale"  # KimiHybridMxfp4Experts: `gate_up_proj` holds the packed bytes, `gate_up_proj_scale` the scales
+
+
+def _released_mxfp4_experts(out, base, leaf, packed, scale, experts_format, model) -> None:
+    """A resident layer's stacked MXFP4 bytes (packed [E, rows, in / 2], scale [E, rows, in / 32]) as the release's
+    per-expert tensors: the bytes themselves for "mxfp4" / "exact" (bit for bit: they are what was loaded), decoded
+    into the model's dtype for "dense"."""
+    names = EXPERT_WEIGHTS[leaf]
+    for w, p, s in zip(names, packed.chunk(len(names), dim=1), scale.chunk(len(names), dim=1)):
+        for e in range(p.shape[0]):
+            expert = f"{base}.{e}.{w}"
+            if experts_format == "dense":
+                out[expert + ".weight"] = dequantize_mxfp4(p[e], s[e], dtype=model.dtype, name=expert)
+            else:
+                out[expert + ".weight_packed"], out[expert + ".weight_scale"] = p[e].contiguous(), s[e].contiguous()
 
 
 RELEASED_PREFIXES = tuple(dict.fromkeys(released.split(".")[0] + "." for released, _ in K3_PREFIXES))
@@ -219,8 +322,8 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
+    from ...ops.mxfp4 import check_mxfp4
     from .conversion_mapping_kimi_k3 import _as_bytes, k3_mapping
-    from .mxfp4_kimi_k3 import dequantize_mxfp4
 
     experts, rest = {}, {}
     for key, tensor in state_dict.items():
@@ -260,17 +363,27 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
         target = param[int(e)].chunk(n_parts, dim=0)[part]
         if "weight" in parts and len(parts) > 1:
             raise ValueError(f"{first}: an expert stored both as .weight and as MXFP4 bytes")
+        if param.dtype == torch.uint8:  # resident MXFP4 experts: the bytes are copied as they are
+            if "weight" in parts:
+                raise ValueError(
+                    f"{first}: a dense expert weight cannot go into experts kept in MXFP4 (experts_format='mxfp4'); "
+                    "load the model with experts_format='dense'"
+                )
+            key = parts["weight_packed"][0]
+            p, sc = _as_bytes(parts["weight_packed"][1], key), _as_bytes(parts["weight_scale"][1], key)
+            scale_target = model.get_parameter(name + _SCALE)[int(e)].chunk(n_parts, dim=0)[part]
+            check_mxfp4(p, sc, key, expected_shape=(target.shape[0], 2 * target.shape[1]))
+            target.copy_(p)
+            scale_target.copy_(sc)
+            filled.setdefault(name, set()).add((int(e), w))
+            continue
         if "weight" in parts:
             value = parts["weight"][1]
         else:
             key = parts["weight_packed"][0]
-            value = dequantize_mxfp4(
-                _as_bytes(parts["weight_packed"][1], key),
-                _as_bytes(parts["weight_scale"][1], key),
-                dtype=param.dtype,
-                name=key,
-                expected_shape=tuple(target.shape),
-            )
+            p, sc = _as_bytes(parts["weight_packed"][1], key), _as_bytes(parts["weight_scale"][1], key)
+            check_mxfp4(p, sc, key, expected_shape=tuple(target.shape))
+            value = dequantize_mxfp4(p, sc, dtype=param.dtype, name=key)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{first}: shape {tuple(value.shape)}, the model's {tuple(target.shape)}")
         target.copy_(value)
@@ -283,6 +396,9 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
         >= {(e, w) for e in range(model.get_parameter(name).shape[0]) for w in EXPERT_WEIGHTS[name.rsplit(".", 1)[1]]}
     }
     partly = set(filled) - covered
+    # a resident layer's scales come with its packed bytes
+    covered |= {n + _SCALE for n in covered if model.get_parameter(n).dtype == torch.uint8}
+    partly |= {n + _SCALE for n in partly if model.get_parameter(n).dtype == torch.uint8}
     waiting = {_stacked_experts_name(layer, w) for layer, _, w in pending}
     if not rest:
         return waiting | partly, unexpected  # only experts: a shard (the caller knows what the checkpoint holds)
@@ -325,7 +441,7 @@ def _stacked_experts_name(layer: str, w: str) -> str:
     return f"{K3_PREFIXES[0][1]}layers.{layer}.{MOE_BLOCK[1]}.experts.{_EXPERT_PART[w][0]}"
 
 
-class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
+class KimiK3ForConditionalGeneration(KimiK3ExpertsFormatMixin, KimiHybridForConditionalGeneration):
     """Kimi K3 with its language-model head (untied, `language_model.lm_head` in the release)."""
 
     config: KimiK3Config
@@ -404,6 +520,12 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
         from_pretrained reads too."""
         text = self.config.text_config
         if not save_original_format:
+            if text.experts_format == "mxfp4":
+                raise ValueError(
+                    "save_original_format=False writes transformers' in-memory layout with dense experts, but this "
+                    "model keeps them in MXFP4 (experts_format='mxfp4'): save the released layout (the default), or "
+                    "load the model with experts_format='dense'"
+                )
             if experts_format not in (None, "dense"):
                 raise ValueError(
                     f"save_original_format=False writes dense experts, not experts_format={experts_format!r}"
@@ -412,7 +534,9 @@ class KimiK3ForConditionalGeneration(KimiHybridForConditionalGeneration):
                 return super().save_pretrained(
                     save_directory, *args, state_dict=state_dict, save_original_format=False, **kwargs
                 )
-        if experts_format is None:
+        if experts_format is None and text.experts_format == "mxfp4":
+            experts_format = "mxfp4"  # the resident bytes, written back as they are
+        elif experts_format is None:
             experts_format = "lossless" if experts_are_mxfp4(text) else "dense"
         state = k3_state_dict(self, experts_format, state_dict)
         mxfp4 = any(k.endswith(".weight_packed") for k in state)
@@ -451,6 +575,7 @@ def _experts_quantization(text_config, value):
 
 __all__ = [
     "K3_LORA_TARGET_MODULES",
+    "KimiK3ExpertsFormatMixin",
     "KimiK3TextModel",
     "KimiK3ForCausalLM",
     "KimiK3Model",

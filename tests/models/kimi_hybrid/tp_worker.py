@@ -1,6 +1,8 @@
 """Worker of test_tensor_parallel.py, run under `torchrun --nproc_per_node 2` (CPU, gloo).
 
-    python -m torch.distributed.run --nproc_per_node 2 tp_worker.py OUT CASE_DIR[:EXPERTS_IMPL] ...
+    python -m torch.distributed.run --nproc_per_node 2 tp_worker.py OUT CASE_DIR[:EXPERTS_IMPL[:EXPERTS_FORMAT]] ...
+
+(EXPERTS_FORMAT: Kimi K3's from_pretrained(experts_format=...), "mxfp4" keeping the routed experts as bytes.)
 
 For each checkpoint folder (written by the test, with `inputs.pt`) and each of three layouts,
 
@@ -20,6 +22,7 @@ KimiK3ForConditionalGeneration).
 Each rank writes OUT/<case>-<layout>-rank<r>.pt (a load that is refused: {"refused": message}).
 """
 
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -31,11 +34,33 @@ from transformers import AutoModelForCausalLM
 from transformers.distributed import DistributedConfig
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
-from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridExperts, KimiHybridMLA
+from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import (
+    KimiHybridExperts,
+    KimiHybridMLA,
+    KimiHybridMoE,
+    KimiHybridMxfp4Experts,
+)
 from kimi_hf.optim import QKClip
 
 
 QK_CLIP_GAMMA = torch.tensor([0.5, 1.0, 0.25, 0.8])  # one per MLA head (4)
+
+
+@contextlib.contextmanager
+def frozen_resident_moe(model):
+    """Routed experts kept in MXFP4 are frozen bytes: their MoE layers are frozen too while training runs (as PEFT
+    would freeze them), and the gradients of everything else pass through the experts."""
+    frozen = [
+        m for m in model.modules() if isinstance(m, KimiHybridMoE) and isinstance(m.experts, KimiHybridMxfp4Experts)
+    ]
+    for m in frozen:
+        m.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for m in frozen:
+            for p in m.parameters():
+                p.requires_grad_(p.is_floating_point())
 
 
 def compute(model, inputs: dict, backward: bool = True) -> dict:
@@ -59,8 +84,9 @@ def compute(model, inputs: dict, backward: bool = True) -> dict:
     if not backward:
         return result
     model.train()
-    loss = model(inputs["ids"], labels=inputs["ids"]).loss
-    loss.backward()
+    with frozen_resident_moe(model):
+        loss = model(inputs["ids"], labels=inputs["ids"]).loss
+        loss.backward()
     grads = {}
     for name, p in model.named_parameters():  # the same order on every rank: full_tensor() is a collective
         if p.grad is not None:
@@ -73,7 +99,8 @@ def record_max_logits(model, inputs: dict) -> list[torch.Tensor]:
     """QK-Clip's per-head max logits of one training forward, all-reduced (tau high enough to clip nothing)."""
     clip = QKClip(model, tau=1e9)
     model.train()
-    model(inputs["ids"])
+    with frozen_resident_moe(model):
+        model(inputs["ids"])
     assert clip.clip() == 0
     model.eval()
     return [m.clone() for m in clip.last_head_max]
@@ -82,6 +109,8 @@ def record_max_logits(model, inputs: dict) -> list[torch.Tensor]:
 def main(out: Path, cases: list[str]):
     for case in cases:
         path, _, impl = case.partition(":")
+        impl, _, experts_format = impl.partition(":")
+        fmt = {"experts_format": experts_format} if experts_format else {}
         inputs = torch.load(Path(path) / "inputs.pt")
         for layout in ("tp", "ep", "pp"):
             start = time.perf_counter()
@@ -92,7 +121,7 @@ def main(out: Path, cases: list[str]):
             }[layout]
             try:
                 model = AutoModelForCausalLM.from_pretrained(
-                    path, experts_implementation=impl or None, dtype=torch.float32, **kw
+                    path, experts_implementation=impl or None, dtype=torch.float32, **fmt, **kw
                 )
             except ValueError as e:  # pipeline parallelism with Attention Residuals: refused at load, on both ranks
                 torch.save({"refused": str(e)}, out / f"{Path(path).name}-{layout}-rank{dist.get_rank()}.pt")
@@ -106,7 +135,9 @@ def main(out: Path, cases: list[str]):
             result["replicated"] = {
                 name: tuple(p.shape) for name, p in model.named_parameters() if not isinstance(p, DTensor)
             }
-            result["local_experts"] = [m.num_experts for m in model.modules() if isinstance(m, KimiHybridExperts)]
+            result["local_experts"] = [
+                m.num_experts for m in model.modules() if isinstance(m, (KimiHybridExperts, KimiHybridMxfp4Experts))
+            ]
             result["experts_implementation"] = model.config._experts_implementation
             decoder = getattr(model.model, "language_model", model.model)
             result["layers"] = [type(layer).__name__ for layer in decoder.layers]

@@ -142,7 +142,7 @@ def test_k3_with_its_options_off_is_the_hybrid_model(tmp_path):
 
     config = tiny_k3_config(**VARIANTS["kimi_linear_path"])
     write_k3_checkpoint(tmp_path, config, seed=6, dtype="float32")
-    k3, _ = load(tmp_path, dtype=torch.float32)
+    k3, _ = load(tmp_path, dtype=torch.float32, experts_format="dense")  # the hybrid model holds them dense
     text = {k: v for k, v in config["text_config"].items() if k != "quantization_config"}
     hybrid = KimiHybridForCausalLM(KimiHybridTextConfig(**text)).eval()
     state = {"model." + k: v for k, v in k3.model.language_model.state_dict().items()}
@@ -182,7 +182,10 @@ def test_greedy_generation_with_the_cache_equals_the_reference(fp32_checkpoint):
 
 
 def test_bf16_load_keeps_the_fp32_tensors_of_the_release(k3_checkpoint):
-    model, info = load(k3_checkpoint.folder, dtype=torch.bfloat16)
+    resident, info = load(k3_checkpoint.folder, dtype=torch.bfloat16)  # the experts stay bytes under any dtype
+    assert_clean(info)
+    assert resident.model.language_model.layers[1].mlp.experts.gate_up_proj.dtype == torch.uint8
+    model, info = load(k3_checkpoint.folder, dtype=torch.bfloat16, experts_format="dense")
     assert_clean(info)
     kept = ("A_log", "dt_bias", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight", "o_norm.weight")
     kept += ("e_score_correction_bias",)
@@ -318,7 +321,7 @@ def test_save_pretrained_writes_the_released_layout_and_reloads(k3_checkpoint, t
 
 
 def test_save_with_dense_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
-    model, _ = load(k3_checkpoint.folder, dtype=torch.bfloat16)
+    model, _ = load(k3_checkpoint.folder, dtype=torch.bfloat16, experts_format="dense")
     model.save_pretrained(tmp_path, experts_format="dense")
     saved = _read_all(tmp_path)
     assert not any(k.endswith(("weight_packed", "weight_scale")) for k in saved)

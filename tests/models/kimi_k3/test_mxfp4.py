@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from kimi_hf.models.kimi_k3 import mxfp4_kimi_k3 as mx
-from kimi_hf.models.kimi_k3.mxfp4_kimi_k3 import ZERO_GROUP_SCALE, dequantize_mxfp4, quantize_mxfp4
+from kimi_hf.ops import mxfp4 as mx
+from kimi_hf.ops.mxfp4 import ZERO_GROUP_SCALE, dequantize_mxfp4, quantize_mxfp4
 
 
 LUT = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

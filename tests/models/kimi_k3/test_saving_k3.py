@@ -1,7 +1,8 @@
 """Trainer's checkpoints of Kimi K3 (issue 24 item 1): `save_model()` and the step checkpoints of Trainer's default
 save strategy write K3's released layout, and `resume_from_checkpoint` continues bit for bit (the uninterrupted run's
 weights, exactly), with MuonClip handed to Trainer (its parameters must survive the resume) and with Trainer's own
-AdamW; the model starts from a released folder with MXFP4 experts, which training moves off the MXFP4 grid."""
+AdamW; the model starts from a released folder with MXFP4 experts, loaded dense (experts_format="dense": full
+fine-tuning trains them), which training moves off the MXFP4 grid."""
 
 import json
 import os
@@ -65,7 +66,7 @@ def release(tmp_path_factory) -> str:
 
 def _trainer(release: str, out: str, optimizer: str) -> Trainer:
     torch.manual_seed(0)
-    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
+    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
     model.config.text_config.use_cache = False
     kwargs = {}
     if optimizer == "muonclip":
@@ -118,7 +119,9 @@ def test_step_checkpoints_hold_the_release_layout_and_resume_bit_for_bit(release
     different = [k for k in expected if not torch.equal(got[k], expected[k])]
     assert not different, different
     # and the run really moved the weights (the resume is not comparing two untrained models)
-    start = _state(KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32))
+    start = _state(
+        KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
+    )
     assert not torch.equal(
         start["model.language_model.layers.1.mlp.experts.gate_up_proj"],
         expected["model.language_model.layers.1.mlp.experts.gate_up_proj"],
@@ -130,7 +133,9 @@ def test_save_model_reloads_exactly(release, tmp_path):
     trainer.args.max_steps = 1
     trainer.train()
     trainer.save_model(str(tmp_path / "final"))
-    back = KimiK3ForConditionalGeneration.from_pretrained(str(tmp_path / "final"), dtype=torch.float32)
+    back = KimiK3ForConditionalGeneration.from_pretrained(
+        str(tmp_path / "final"), dtype=torch.float32, experts_format="dense"
+    )
     mine, theirs = _state(trainer.model), _state(back)
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
     assert os.stat(tmp_path / "final" / "model.safetensors").st_mode & 0o777 == 0o666 & ~_umask()
@@ -145,7 +150,7 @@ def _umask() -> int:
 def test_untrained_experts_stay_mxfp4_and_rounding_is_asked_for(release, tmp_path):
     """The lossless default keeps MXFP4 for experts on its grid (the release's values); experts off the
     grid are saved dense with the same values, and rounded only when asked (experts_format="mxfp4")."""
-    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
+    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
     model.save_pretrained(tmp_path / "as_loaded")
     with open(tmp_path / "as_loaded" / "config.json") as f:
         assert "quantization_config" in json.load(f)["text_config"]
@@ -164,12 +169,16 @@ def test_untrained_experts_stay_mxfp4_and_rounding_is_asked_for(release, tmp_pat
     model.save_pretrained(tmp_path / "rounded", experts_format="mxfp4")
     with open(tmp_path / "rounded" / "config.json") as f:
         assert "quantization_config" in json.load(f)["text_config"]
-    rounded = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "rounded", dtype=torch.float32)
+    rounded = KimiK3ForConditionalGeneration.from_pretrained(
+        tmp_path / "rounded", dtype=torch.float32, experts_format="dense"
+    )
     got = rounded.model.language_model.layers[1].mlp.experts.down_proj
     moved = model.model.language_model.layers[1].mlp.experts.down_proj
     assert not torch.equal(got, moved) and (got - moved).abs().max() < 0.5 * moved.abs().max()
     model.save_pretrained(tmp_path / "lossless")
-    back = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "lossless", dtype=torch.float32)
+    back = KimiK3ForConditionalGeneration.from_pretrained(
+        tmp_path / "lossless", dtype=torch.float32, experts_format="dense"
+    )
     assert torch.equal(
         back.model.language_model.layers[1].mlp.experts.down_proj,
         model.model.language_model.layers[1].mlp.experts.down_proj,
@@ -181,7 +190,7 @@ def test_load_state_dict_reads_the_release_layout_shard_by_shard(release):
     layer's experts may straddle two shards)."""
     from safetensors.torch import load_file
 
-    expected = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
+    expected = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
     model = KimiK3ForConditionalGeneration(expected.config).float()
     with open(os.path.join(release, "model.safetensors.index.json")) as f:
         shards = sorted(set(json.load(f)["weight_map"].values()))
@@ -223,10 +232,10 @@ def _tensors(folder) -> dict:
 )
 def test_every_save_pretrained_keyword_reloads_the_same_model(release, tmp_path, kwargs):
     """transformers' save_pretrained keywords (its TP / EP test mixins pass save_original_format) on K3."""
-    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32)
+    model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
     model.save_pretrained(tmp_path / "out", **kwargs)
     back = KimiK3ForConditionalGeneration.from_pretrained(
-        tmp_path / "out", dtype=torch.float32, variant=kwargs.get("variant")
+        tmp_path / "out", dtype=torch.float32, variant=kwargs.get("variant"), experts_format="dense"
     )
     a, b = _state(model), _state(back)
     assert [k for k in a if not torch.equal(a[k], b[k])] == []

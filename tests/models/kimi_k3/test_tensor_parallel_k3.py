@@ -71,48 +71,69 @@ def read_folder(folder: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+# the two in-memory forms of the routed experts: the folder's name -> experts_format
+FORMATS = {"k3": "dense", "k3mx": "mxfp4"}
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """One torchrun of both forms (the same files: seed 0), and the single-process reference of each."""
     root = tmp_path_factory.mktemp("k3_tp")
     config = k3_tp_config()
-    write_k3_checkpoint(root / "k3", config, seed=0, mxfp4=True, shards=2, dtype="float32")
     inputs = k3_inputs(config)
-    torch.save(inputs, root / "k3" / "inputs.pt")
+    for name in FORMATS:
+        write_k3_checkpoint(root / name, config, seed=0, mxfp4=True, shards=2, dtype="float32")
+        torch.save(inputs, root / name / "inputs.pt")
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    cases = [f"{root / name}::{fmt}" for name, fmt in FORMATS.items()]
     out = subprocess.run(
-        [*cmd, str(WORKER), str(root), str(root / "k3")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
+        [*cmd, str(WORKER), str(root), *cases], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
     )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    model = AutoModelForCausalLM.from_pretrained(root / "k3", dtype=torch.float32)
-    assert isinstance(model, KimiK3ForConditionalGeneration)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    results = {"root": root, "state": state, "ref": compute(model, inputs), "model": model}
-    model.save_pretrained(root / "k3-single-saved")
-    for layout in ("tp", "ep", "pp"):
-        for rank in (0, 1):
-            results[layout, rank] = torch.load(root / f"k3-{layout}-rank{rank}.pt", weights_only=False)
+    results = {"root": root}
+    for name, fmt in FORMATS.items():
+        model = AutoModelForCausalLM.from_pretrained(root / name, dtype=torch.float32, experts_format=fmt)
+        assert isinstance(model, KimiK3ForConditionalGeneration) and model.experts_format == fmt
+        results[fmt] = {"state": {k: v.clone() for k, v in model.state_dict().items()}, "model": model}
+        results[fmt]["ref"] = compute(model, inputs)
+        model.save_pretrained(root / f"{name}-single-saved")
+        for layout in ("tp", "ep", "pp"):
+            for rank in (0, 1):
+                results[fmt][layout, rank] = torch.load(root / f"{name}-{layout}-rank{rank}.pt", weights_only=False)
     return results
 
 
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_matches_single_process(runs, layout):
+def test_matches_single_process(runs, layout, fmt):
+    """Logits, packed documents, greedy scores, images, loss and gradients (resident experts: of everything outside
+    the frozen MoE layers, through the experts) equal one process."""
+    run = runs[fmt]
     for rank in (0, 1):
-        assert_same_results(runs[layout, rank], runs["ref"], ("logits", "packed", "scores", "images"), ATOL)
+        assert_same_results(run[layout, rank], run["ref"], ("logits", "packed", "scores", "images"), ATOL)
+    # the resident model computes what the dense one does
+    torch.testing.assert_close(run["ref"]["logits"], runs["dense"]["ref"]["logits"], rtol=0, atol=ATOL)
 
 
+# the local shape of layer 1's experts on a rank: [E, latent, I] dense (TP splits I, EP the experts); resident:
+# the packed bytes [E, latent, I / 2] and the scales [E, latent, I / 32] split the same way
+LOCAL_EXPERTS = {
+    ("dense", "tp"): {"down_proj": (8, 64, 32)},
+    ("dense", "ep"): {"down_proj": (4, 64, 64)},
+    ("mxfp4", "tp"): {"down_proj": (8, 64, 16), "down_proj_scale": (8, 64, 1), "gate_up_proj": (8, 64, 32)},
+    ("mxfp4", "ep"): {"down_proj": (4, 64, 32), "down_proj_scale": (4, 64, 2), "gate_up_proj_scale": (4, 128, 2)},
+}
+
+
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_each_rank_holds_its_heads_and_experts(runs, layout):
+def test_each_rank_holds_its_heads_and_experts(runs, layout, fmt):
     """Every sharded parameter's local tensor is this rank's slice of the loaded model's; A_log, stored [32] with 4
     heads then zeros, gives rank 1 heads 2 and 3 (the stored tensor's second half would be padding)."""
-    state = runs["state"]
+    state = runs[fmt]["state"]
     for rank in (0, 1):
-        shards = runs[layout, rank]["shards"]
+        shards = runs[fmt][layout, rank]["shards"]
         a_logs = [n for n in shards if n.endswith("self_attn.A_log")]
         assert a_logs and all(shards[n]["local"].shape == (HEADS // 2,) for n in a_logs)
         for name in a_logs:
@@ -121,21 +142,28 @@ def test_each_rank_holds_its_heads_and_experts(runs, layout):
         for name, shard in shards.items():
             assert torch.equal(shard["local"], expected_shard(state[name], shard["placements"], rank)), name
         experts = "model.language_model.layers.1.mlp.experts."
-        local = shards[experts + "down_proj"]["local"].shape  # [E, latent, I]: TP splits I, EP the experts
-        assert local == ((8, 64, 32) if layout == "tp" else (4, 64, 64))
+        for name, shape in LOCAL_EXPERTS[fmt, layout].items():
+            assert shards[experts + name]["local"].shape == shape, name
         # the vision tower and the projector are replicated
-        assert any(n.startswith("model.vision_tower.") for n in runs[layout, rank]["replicated"])
+        assert any(n.startswith("model.vision_tower.") for n in runs[fmt][layout, rank]["replicated"])
         assert not any(n.startswith(("model.vision_tower.", "model.mm_projector.")) for n in shards)
 
 
+@pytest.mark.parametrize("fmt", ["dense", "mxfp4"])
 @pytest.mark.parametrize("layout", ["tp", "ep"])
-def test_save_pretrained_writes_the_released_layout_as_one_process_does(runs, layout):
-    """The shards gathered and written in K3's names: A_log [head_dim] with its zeros, experts re-packed MXFP4,
-    bit for bit the folder one process writes."""
-    saved, single = read_folder(runs["root"] / f"k3-{layout}-saved"), read_folder(runs["root"] / "k3-single-saved")
-    assert saved.keys() == single.keys()
-    for name, tensor in single.items():
-        assert torch.equal(saved[name], tensor), name
+def test_save_pretrained_writes_the_released_layout_as_one_process_does(runs, layout, fmt):
+    """The shards gathered and written in K3's names: A_log [head_dim] with its zeros, experts re-packed MXFP4 (or,
+    resident, their bytes), bit for bit the folder one process writes (resident: the folder loaded)."""
+    name = next(n for n, f in FORMATS.items() if f == fmt)
+    root = runs["root"]
+    saved, single = read_folder(root / f"{name}-{layout}-saved"), read_folder(root / f"{name}-single-saved")
+    assert saved.keys() == single.keys() == read_folder(root / name).keys()
+    source = read_folder(root / name)
+    for key, tensor in single.items():
+        assert torch.equal(saved[key], tensor), key
+        # resident: the loaded bytes themselves (dense experts re-pack the same values, where a group's codes all
+        # lie in [-3, 3] at a smaller scale byte: ops/mxfp4.quantize_mxfp4)
+        assert fmt == "dense" or torch.equal(tensor, source[key]), key
     a_log = saved["language_model.model.layers.0.self_attn.A_log"]
     assert a_log.shape == (32,) and a_log[HEADS:].count_nonzero() == 0
     assert saved["language_model.model.layers.1.block_sparse_moe.experts.0.w2.weight_packed"].dtype == torch.uint8
@@ -145,22 +173,24 @@ def test_save_pretrained_writes_the_released_layout_as_one_process_does(runs, la
 def test_qk_clip_on_sharded_mla_with_q_lora(runs, layout):
     """apply_qk_clip(gamma of all heads) on the sharded q_b_proj / kv_b_proj scales this rank's rows as one process
     scales those heads' rows."""
-    model = KimiK3ForConditionalGeneration(runs["model"].config)
-    model.load_state_dict(runs["state"])
+    run = runs["dense"]
+    model = KimiK3ForConditionalGeneration(run["model"].config)
+    model.load_state_dict(run["state"])
     for m in model.modules():
         if isinstance(m, KimiHybridMLA):
             m.apply_qk_clip(QK_CLIP_GAMMA)
     params = dict(model.named_parameters())
     for rank in (0, 1):
-        clipped = runs[layout, rank]["clipped"]
+        clipped = run[layout, rank]["clipped"]
         assert clipped and all(name.endswith(("q_b_proj.weight", "kv_b_proj.weight")) for name in clipped)
         for name, local in clipped.items():
             assert torch.allclose(local, params[name].detach().chunk(2, 0)[rank], atol=1e-7), name
 
 
 def test_pipeline_parallelism_is_refused_by_name(runs):
-    for rank in (0, 1):
-        assert "pipeline parallelism (pp_size > 1) of the multimodal model" in runs["pp", rank]["refused"]
+    for fmt in FORMATS.values():
+        for rank in (0, 1):
+            assert "pipeline parallelism (pp_size > 1) of the multimodal model" in runs[fmt]["pp", rank]["refused"]
 
 
 def test_mxfp4_experts_whose_tp_slice_splits_a_scale_block_are_refused():

@@ -134,6 +134,24 @@ def _check_packed(packed, scale, name, expected_shape) -> tuple[int, int]:
     return out, n_in
 
 
+def check_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, name: str = "weight", expected_shape: tuple[int, int] | None = None
+) -> tuple[int, int]:
+    """The checks of a checkpoint's MXFP4 tensor before it is used: uint8 packed [..., out, in / 2] and scale
+    [..., out, in / 32] of one [out, in] weight (= expected_shape when given), and no scale byte 255 (the MX spec's
+    NaN, which no trained weight has: a corrupt or mis-read file). A ValueError names `name` and the first bad
+    scale's position. Returns (out, in)."""
+    shape = _check_packed(packed, scale, name, expected_shape)
+    nan = scale == E8M0_NAN
+    if nan.any():
+        where = nan.nonzero()[0].tolist()
+        raise ValueError(
+            f"{name}: weight_scale holds the E8M0 NaN byte {E8M0_NAN} at {tuple(where)} (row {where[-2]}, inputs "
+            f"{where[-1] * GROUP} .. {where[-1] * GROUP + GROUP - 1}): not a valid MXFP4 scale"
+        )
+    return shape
+
+
 def dequantize_mxfp4(
     packed: torch.Tensor,
     scale: torch.Tensor,
@@ -334,4 +352,4 @@ def quantize_mxfp4(
     return packed.view(*lead, out, n_in // 2), scale.view(*lead, out, groups)
 
 
-__all__ = ["GROUP", "E2M1_VALUES", "ZERO_GROUP_SCALE", "dequantize_mxfp4", "quantize_mxfp4"]
+__all__ = ["GROUP", "E2M1_VALUES", "ZERO_GROUP_SCALE", "check_mxfp4", "dequantize_mxfp4", "quantize_mxfp4"]

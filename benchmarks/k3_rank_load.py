@@ -1,0 +1,132 @@
+"""Loading Kimi K3 per rank: each rank reads only the bytes of the tensors it keeps, so its load peak is its share
+of the model, not a shard or the whole.
+
+    python benchmarks/k3_rank_load.py              # the ~1 GB K3-shaped folder (benchmarks/k3_shaped.py), 4 gloo ranks
+    python benchmarks/k3_rank_load.py --quick
+
+For each layout, `torchrun --nproc_per_node 4` (gloo, CPU) runs `from_pretrained(folder, distributed_config=...)`
+with the routed experts resident in MXFP4 (the default), from a model built on the meta device (transformers shards
+it before any weight exists). Layouts, in transformers' DistributedConfig terms (pp x fsdp x tp = pp x efsdp x ep):
+"EP 4" = tp_size 4, ep_size 4 (whole experts, a quarter per rank; the rest by tensor parallelism) and "TP 2 x EP 2"
+= tp_size 2, ep_size 2, fsdp_size 2 (experts halved by EP and halved again by FSDP2, the rest by TP and FSDP2).
+Each rank samples its RssAnon (allocated memory; the shards' mapped pages are RssFile, apart) every 2 ms during the
+load (after a warm-up load of a tiny folder, so imports are done) and reports the peak growth against the bytes it
+holds afterwards (its parameters' and buffers' local shards). The issue's target: peak <= 1.25x the rank's share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+
+sys.modules.setdefault("fla", None)
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import argument_parser  # noqa: E402
+from k3_shaped import add_shape_arguments, write_k3_shaped  # noqa: E402
+
+
+WORKER = r"""
+import gc, json, sys, threading, time, torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers.distributed import DistributedConfig
+from kimi_hf import KimiK3ForConditionalGeneration
+
+def rss_anon():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1]) * 1024
+folder, tiny, tp, ep, fsdp = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+dist.init_process_group("gloo")
+config = DistributedConfig(tp_size=tp, ep_size=ep, fsdp_size=fsdp)
+warm = KimiK3ForConditionalGeneration.from_pretrained(tiny, dtype=torch.bfloat16, distributed_config=config)
+del warm
+gc.collect()
+dist.barrier()
+before = rss_anon()
+peak, done = [before], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], rss_anon())
+        time.sleep(0.002)
+sampler = threading.Thread(target=sample)
+sampler.start()
+t0 = time.perf_counter()
+model = KimiK3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16, distributed_config=config)
+seconds = time.perf_counter() - t0
+done.set()
+sampler.join()
+local = lambda t: t.to_local() if isinstance(t, DTensor) else t
+held = sum(local(t).numel() * local(t).element_size() for t in [*model.parameters(), *model.buffers()])
+whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
+out = [None] * dist.get_world_size()
+dist.all_gather_object(out, dict(rank=dist.get_rank(), growth=peak[0] - before, held=held, whole=whole, seconds=seconds))
+if dist.get_rank() == 0:
+    print(json.dumps(out))
+dist.destroy_process_group()
+"""
+
+LAYOUTS = {"EP 4": (4, 4, 1), "TP 2 x EP 2": (2, 2, 2)}  # (tp_size, ep_size, fsdp_size)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    p = argument_parser(__doc__)
+    add_shape_arguments(p)
+    p.add_argument("--quick", action="store_true", help="a ~60 MB folder")
+    args = p.parse_args(argv)
+    args.heads = 8  # heads divisible by tp 4
+    if args.quick:
+        args.experts, args.hidden, args.latent, args.inter, args.vocab = 32, 512, 256, 256, 1024
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as tiny:
+        size = write_k3_shaped(folder, args, heads=8)
+        small = argparse_namespace(args, experts=16, hidden=256, latent=128, inter=128, vocab=512, layers=2)
+        write_k3_shaped(tiny, small, heads=8, quiet=True)
+        with tempfile.TemporaryDirectory() as scratch:
+            worker = os.path.join(scratch, "worker.py")
+            with open(worker, "w") as f:
+                f.write(WORKER)
+            rows = []
+            for name, (tp, ep, fsdp) in LAYOUTS.items():
+                cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4"]
+                cmd += ["--master_port", str(free_port()), worker, folder, tiny, str(tp), str(ep), str(fsdp)]
+                env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+                out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+                if out.returncode:
+                    sys.exit(out.stdout[-2000:] + out.stderr[-6000:])
+                rows.append((name, json.loads(out.stdout.strip().splitlines()[-1])))
+    mb = lambda b: f"{b / 2**20:.0f} MB"  # noqa: E731
+    print(
+        f"# K3-shaped folder {size / 2**30:.2f} GiB ({args.experts} experts, MXFP4 resident, bf16 rest), 4 gloo ranks"
+    )
+    print("| layout | rank | holds (its share) | load peak growth (RssAnon) | peak / share | seconds |")
+    print("|---|---|---|---|---|---|")
+    for name, ranks in rows:
+        for r in ranks:
+            print(
+                f"| {name} | {r['rank']} | {mb(r['held'])} of {mb(r['whole'])} | {mb(r['growth'])} | "
+                f"**{r['growth'] / r['held']:.2f}x** | {r['seconds']:.1f} |"
+            )
+
+
+def argparse_namespace(args, **changes):
+    import argparse
+
+    return argparse.Namespace(**{**vars(args), **changes})
+
+
+if __name__ == "__main__":
+    main()

@@ -8,7 +8,8 @@
    with Attention Residuals and LatentMoE off (plain residual; routed experts at the full hidden width), the
    other K3 parts unchanged. The issue's target: AttnRes + LatentMoE cost <= +10%.
 2. Loading a folder in the released layout (MXFP4 experts, written by our save_pretrained) with
-   `from_pretrained(dtype=torch.bfloat16)` in a fresh process (after a first load of a tiny folder, so that
+   `from_pretrained(dtype=torch.bfloat16, experts_format="dense")` (the experts dequantised: the bf16 model; resident
+   MXFP4 loads are benchmarks/k3_lora_memory.py and k3_rank_load.py) in a fresh process (after a first load of a tiny folder, so that
    imports are done): wall time and the peak growth of allocated memory (RssAnon) against the bf16 model's
    size + its largest shard (the target), and apart from it the shards' pages mapped by the loader (RssFile).
 
@@ -72,7 +73,7 @@ def status_mb():  # RssAnon (allocated memory), RssFile (mapped files: the shard
     return out
 # a first load of a tiny folder imports what loading needs (transformers loads modules lazily) without leaving
 # freed heap that the measured load would reuse (that would hide part of its allocations)
-warm = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[2], dtype=torch.bfloat16)
+warm = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[2], dtype=torch.bfloat16, experts_format="dense")
 del warm
 gc.collect()
 before = status_mb()
@@ -85,7 +86,7 @@ def sample():  # the kernel keeps a high-water mark only for the total: sample t
 sampler = threading.Thread(target=sample)
 sampler.start()
 t0 = time.perf_counter()
-model = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16)
+model = KimiK3ForConditionalGeneration.from_pretrained(sys.argv[1], dtype=torch.bfloat16, experts_format="dense")
 seconds = time.perf_counter() - t0
 done.set()
 sampler.join()

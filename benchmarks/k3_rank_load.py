@@ -9,9 +9,11 @@ with the routed experts resident in MXFP4 (the default), from a model built on t
 it before any weight exists). Layouts, in transformers' DistributedConfig terms (pp x fsdp x tp = pp x efsdp x ep):
 "EP 4" = tp_size 4, ep_size 4 (whole experts, a quarter per rank; the rest by tensor parallelism) and "TP 2 x EP 2"
 = tp_size 2, ep_size 2, fsdp_size 2 (experts halved by EP and halved again by FSDP2, the rest by TP and FSDP2).
-Each rank samples its RssAnon (allocated memory; the shards' mapped pages are RssFile, apart) every 2 ms during the
-load (after a warm-up load of a tiny folder, so imports are done) and reports the peak growth against the bytes it
-holds afterwards (its parameters' and buffers' local shards). The issue's target: peak <= 1.25x the rank's share.
+Each rank samples its RssAnon (allocated memory) and VmRSS (that plus the pages of the shards it mapped and touched:
+tensors the loader keeps as views of the file count there) every 2 ms during the load (after a warm-up load of a
+tiny folder, so imports are done) and reports the peak growth against the bytes it holds afterwards (its parameters'
+and buffers' local shards). The issue's target: the RssAnon peak <= 1.25x the rank's share (VmRSS, which also counts the page cache
+of what was read, beside it).
 """
 
 from __future__ import annotations
@@ -40,22 +42,25 @@ from torch.distributed.tensor import DTensor
 from transformers.distributed import DistributedConfig
 from kimi_hf import KimiK3ForConditionalGeneration
 
-def rss_anon():
+def rss():  # (RssAnon: allocated, VmRSS: allocated + the shards' mapped pages this process touched)
+    out = {}
     for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
+        key = line.split(":")[0]
+        if key in ("RssAnon", "VmRSS"):
+            out[key] = int(line.split()[1]) * 1024
+    return out["RssAnon"], out["VmRSS"]
 folder, tiny, tp, ep, fsdp = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
 dist.init_process_group("gloo")
-config = DistributedConfig(tp_size=tp, ep_size=ep, fsdp_size=fsdp)
+config = DistributedConfig(tp_size=tp, ep_size=ep, dp_replicate_size=fsdp)
 warm = KimiK3ForConditionalGeneration.from_pretrained(tiny, dtype=torch.bfloat16, distributed_config=config)
 del warm
 gc.collect()
 dist.barrier()
-before = rss_anon()
-peak, done = [before], threading.Event()
+before = rss()
+peak, done = list(before), threading.Event()
 def sample():
     while not done.is_set():
-        peak[0] = max(peak[0], rss_anon())
+        peak[:] = [max(p, v) for p, v in zip(peak, rss())]
         time.sleep(0.002)
 sampler = threading.Thread(target=sample)
 sampler.start()
@@ -68,13 +73,14 @@ local = lambda t: t.to_local() if isinstance(t, DTensor) else t
 held = sum(local(t).numel() * local(t).element_size() for t in [*model.parameters(), *model.buffers()])
 whole = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
 out = [None] * dist.get_world_size()
-dist.all_gather_object(out, dict(rank=dist.get_rank(), growth=peak[0] - before, held=held, whole=whole, seconds=seconds))
+dist.all_gather_object(out, dict(rank=dist.get_rank(), anon=peak[0] - before[0], rss=peak[1] - before[1], held=held, whole=whole,
+                             seconds=seconds))
 if dist.get_rank() == 0:
     print(json.dumps(out))
 dist.destroy_process_group()
 """
 
-LAYOUTS = {"EP 4": (4, 4, 1), "TP 2 x EP 2": (2, 2, 2)}  # (tp_size, ep_size, fsdp_size)
+LAYOUTS = {"EP 4": (4, 4, 1), "TP 2 x EP 2": (2, 2, 2)}  # (tp_size, ep_size, dp_replicate_size)
 
 
 def free_port() -> int:
@@ -112,13 +118,16 @@ def main(argv=None):
     print(
         f"# K3-shaped folder {size / 2**30:.2f} GiB ({args.experts} experts, MXFP4 resident, bf16 rest), 4 gloo ranks"
     )
-    print("| layout | rank | holds (its share) | load peak growth (RssAnon) | peak / share | seconds |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| layout | rank | holds (its share) | load peak growth: RssAnon | RssAnon peak / share | "
+        "VmRSS (+ touched shard pages) | VmRSS peak / share | seconds |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, ranks in rows:
         for r in ranks:
             print(
-                f"| {name} | {r['rank']} | {mb(r['held'])} of {mb(r['whole'])} | {mb(r['growth'])} | "
-                f"**{r['growth'] / r['held']:.2f}x** | {r['seconds']:.1f} |"
+                f"| {name} | {r['rank']} | {mb(r['held'])} of {mb(r['whole'])} | {mb(r['anon'])} | "
+                f"**{r['anon'] / r['held']:.2f}x** | {mb(r['rss'])} | {r['rss'] / r['held']:.2f}x | {r['seconds']:.1f} |"
             )
 
 

@@ -2,6 +2,7 @@
 
     python examples/lora_finetune.py                                   # a fresh small model, ~1 minute
     python examples/lora_finetune.py --model outputs/quickstart/model  # the quickstart's model
+    python examples/lora_finetune.py --model K3_DIR                    # a Kimi K3 folder, MXFP4 experts resident
 
 Task: name the standard-library module a docstring line comes from (chat format; loss on the
 assistant's reply only). LoRA adapters on the KDA / MLA / MLP projections (kimi_hf.LORA_TARGET_MODULES;
@@ -9,6 +10,11 @@ K3_LORA_TARGET_MODULES for a Kimi K3 folder); everything else frozen (a memorisa
 the PEFT mechanics). Prints trainable parameters, the answer accuracy on the training lines before /
 after, saves the adapter (a few hundred KB), reloads it from its folder alone with
 AutoPeftModelForCausalLM (same logits) and merges it.
+
+A Kimi K3 folder whose routed experts are stored in MXFP4 (the release's layout) loads them resident by default
+(`experts_format="mxfp4"`: the packed bytes stay in memory, frozen, dequantised on the fly; QLoRA for K3): LoRA trains
+around them (attention, MLA's q LoRA chain, shared experts and the LatentMoE bridges), and the adapter reloads onto
+and merges into the same resident model. `--experts-format dense` dequantises them at load instead.
 
 The LoRA config says task_type="CAUSAL_LM": PEFT then records the task in adapter_config.json, and
 `AutoPeftModelForCausalLM.from_pretrained(adapter)` loads the base model with transformers'
@@ -62,7 +68,7 @@ def examples(seed: int) -> list[dict]:
     return rows
 
 
-def load_base(model_dir: str | None, rows, out: str):
+def load_base(model_dir: str | None, rows, out: str, experts_format: str = "auto"):
     """The base model and its processor: from model_dir, or a fresh tiny model saved under OUT/base and loaded
     back from there (so that the adapter's base_model_name_or_path names a folder AutoPeftModel can load)."""
     if model_dir:
@@ -73,7 +79,9 @@ def load_base(model_dir: str | None, rows, out: str):
             == kimi_hf.KimiHybridConfig.model_type
         )
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        return auto.from_pretrained(model_dir), processor
+        k3 = json.load(open(os.path.join(model_dir, "config.json")))["model_type"] == kimi_hf.KimiK3Config.model_type
+        kwargs = {"experts_format": experts_format} if k3 else {}  # K3: routed experts MXFP4-resident or dense
+        return auto.from_pretrained(model_dir, **kwargs), processor
     tokenizer = train_tokenizer(
         [r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4, vocab_size=400
     )
@@ -110,10 +118,19 @@ def main(argv=None) -> dict:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/lora")
+    p.add_argument(
+        "--experts-format",
+        default="auto",
+        choices=["auto", "mxfp4", "dense"],
+        help="Kimi K3's routed experts: kept in MXFP4 (auto for an MXFP4 folder) or dequantised at load",
+    )
     args = p.parse_args(argv)
     torch.manual_seed(args.seed)
     rows = examples(args.seed)
-    base, processor = load_base(args.model, rows, args.out)
+    base, processor = load_base(args.model, rows, args.out, args.experts_format)
+    experts_format = getattr(base, "experts_format", "dense")
+    experts_mb = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".experts." in n) / 2**20
+    print(f"routed experts: {experts_format} ({experts_mb:.1f} MB in memory)")
     before = accuracy(base, processor, rows)
 
     targets = lora_targets(base)
@@ -169,6 +186,7 @@ def main(argv=None) -> dict:
         "reload_diff": reload_diff,
         "merge_diff": merge_diff,
         "adapter_kb": size_kb,
+        "experts_format": experts_format,
     }
 
 

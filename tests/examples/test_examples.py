@@ -201,7 +201,8 @@ def test_lora_finetune(tmp_path, capsys):
 
 
 def test_lora_finetune_kimi_k3(tmp_path):
-    """The example on a (tiny) Kimi K3 folder: K3's LoRA targets, and the adapter loads with AutoPeftModelForCausalLM
+    """The example on a (tiny) Kimi K3 folder in the released layout (MXFP4 experts, resident): K3's LoRA targets,
+    and the adapter loads with AutoPeftModelForCausalLM
     as well (AutoModelForCausalLM is registered for K3's config: KimiK3ForConditionalGeneration; PEFT has no
     image-text-to-text auto class)."""
     import torch
@@ -216,9 +217,11 @@ def test_lora_finetune_kimi_k3(tmp_path):
     corpus = [r["messages"][0]["content"] + " " + r["messages"][1]["content"] for r in rows] * 4
     tokenizer = train_tokenizer(corpus, vocab_size=400, markup="k3")
     torch.manual_seed(0)
-    small_k3_model(tokenizer, "tiny", 84).save_pretrained(tmp_path / "k3")
+    # the released layout: MXFP4 experts (the random init rounded to MXFP4), loaded resident by the example
+    small_k3_model(tokenizer, "tiny", 84).save_pretrained(tmp_path / "k3", experts_format="mxfp4")
     kimi_hf.KimiK3Processor(kimi_hf.KimiK3ImageProcessor(), tokenizer).save_pretrained(tmp_path / "k3")
     res = example.main(["--model", str(tmp_path / "k3"), "--steps", "10", "--out", str(tmp_path / "lora")])
+    assert res["experts_format"] == "mxfp4"
     assert res["reload_diff"] < 1e-4 and res["merge_diff"] < 1e-3
     assert_adapter_loads_with_auto_peft(
         tmp_path / "lora" / "adapter", "KimiK3ForConditionalGeneration", K3_LORA_TARGET_MODULES

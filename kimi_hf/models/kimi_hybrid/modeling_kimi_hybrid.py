@@ -661,6 +661,8 @@ class KimiHybridMxfp4Experts(nn.Module):
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, hidden]; indices, weights [N, k] -> [N, hidden], as KimiHybridExperts (index num_experts: a route
         to another rank's expert under expert parallelism, skipped)."""
+        if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
+            return self._dense_forward(x, indices, weights)
         E = self.num_experts
         k = indices.shape[1]
         flat = indices.flatten()
@@ -674,6 +676,19 @@ class KimiHybridMxfp4Experts(nn.Module):
         y = mxfp4_grouped_linear(self.glu(gate, up), self.down_proj, self.down_proj_scale, counts)
         y = y * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
+
+    def _dense_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Every expert on every token, weighted by the [N, E] routing matrix (KimiHybridExperts._dense_forward), each
+        expert dequantised in turn: static shapes for torch.compile, E times the routed compute."""
+        routing = torch.zeros(x.shape[0], self.num_experts + 1, device=x.device, dtype=weights.dtype)  # + EP sentinel
+        routing = routing.scatter_add(1, indices, weights)[:, : self.num_experts].to(x.dtype)
+        y = torch.zeros_like(x)
+        for e in range(self.num_experts):
+            gate_up = F.linear(x, dequantize_mxfp4(self.gate_up_proj[e], self.gate_up_proj_scale[e], dtype=x.dtype))
+            gate, up = gate_up.chunk(2, dim=-1)
+            down = dequantize_mxfp4(self.down_proj[e], self.down_proj_scale[e], dtype=x.dtype)
+            y = y + routing[:, e, None] * F.linear(self.glu(gate, up), down)
+        return y
 
 
 class KimiHybridMoE(nn.Module):

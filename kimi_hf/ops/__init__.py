@@ -1,10 +1,14 @@
 """Stable public home of the operators: `from kimi_hf.ops import chunk_kda, recurrent_kda, depth_attention`.
 
-Loaded lazily (PEP 562): importing one op module (e.g. `kimi_hf.ops.mxfp4`, the MXFP4 codec that the converters
-use) does not import the others, nor the Triton kernels behind KDA.
+KDA and the MXFP4 ops load lazily (PEP 562): importing one op module (e.g. `kimi_hf.ops.mxfp4`, the MXFP4 codec that
+the converters use) does not import the others, nor the Triton kernels behind KDA.
 """
 
 import importlib
+
+# eager: torch only, and the function's name is its module's (a lazy attribute would return the module once the
+# submodule is imported)
+from .depth_attention import depth_attention, depth_attention_weights
 
 
 _EXPORTS = {
@@ -12,13 +16,11 @@ _EXPORTS = {
     "recurrent_kda": "kda",
     "naive_recurrent_kda": "kda",
     "l2norm": "kda",
-    "depth_attention": "depth_attention",
-    "depth_attention_weights": "depth_attention",
     "dequantize_mxfp4": "mxfp4",
     "quantize_mxfp4": "mxfp4",
     "mxfp4_grouped_linear": "mxfp4_matmul",
 }
-__all__ = list(_EXPORTS)
+__all__ = ["depth_attention", "depth_attention_weights", *_EXPORTS]
 
 
 def __getattr__(name):

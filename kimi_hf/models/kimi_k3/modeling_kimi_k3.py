@@ -123,8 +123,10 @@ class KimiK3ExpertsFormatMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, experts_format: str = "auto", **kwargs):
         if experts_format not in EXPERTS_FORMATS:
             raise ValueError(f"experts_format must be one of {EXPERTS_FORMATS}, got {experts_format!r}")
-        folder = os.path.join(os.fspath(pretrained_model_name_or_path), kwargs.get("subfolder") or "")
-        if os.path.isfile(os.path.join(folder, "config.json")):  # a local folder: its MXFP4 headers, before any weight
+        path = pretrained_model_name_or_path  # None with state_dict= (transformers' common tests)
+        folder = os.path.join(os.fspath(path), kwargs.get("subfolder") or "") if path is not None else None
+        # a local folder: its MXFP4 headers are checked before any weight is read
+        if folder is not None and os.path.isfile(os.path.join(folder, "config.json")):
             config = kwargs.get("config")
             if not isinstance(config, KimiK3Config):
                 config = KimiK3Config.from_pretrained(folder)

@@ -73,9 +73,6 @@ def _value_bits(code: int, s: int, exp_bits: int, man_bits: int) -> int:
     return sign | ((2 + half) << shift if shift >= 0 else 0)
 
 
-# torch.compile calls it once, eagerly, and keeps the table as a constant of the graph (instead of tracing 4096
-# integer conversions at each call site)
-@torch.compiler.assume_constant_result
 @functools.lru_cache(maxsize=16)
 def _pair_table(dtype: torch.dtype, device: str) -> torch.Tensor:
     """[256 * 256, 2] of `dtype` (bf16 / fp32 / fp64): row s * 256 + b holds the two elements of packed

@@ -114,32 +114,47 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": grab("REG"), "stack": grab("STACK"), "shared": grab("SHARED")}
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parser(doc: str, warps: list[int], dtypes: list[str]) -> argparse.ArgumentParser:
+    """The compile checks' common flags: --arch, --warps, --dtype."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    p.add_argument("--D", type=int, default=128, help="head dim (K = V)")
-    p.add_argument("--warps", type=int, nargs="+", default=[4, 8])
-    p.add_argument("--dtype", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--only", nargs="+", help="kernel names (default: all)")
+    p.add_argument("--warps", type=int, nargs="+", default=warps)
+    p.add_argument("--dtype", nargs="+", default=dtypes, choices=["fp32", "bf16", "fp16"])
+    return p
+
+
+def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         p.error("unset TRITON_INTERPRET: this compiles for the GPU")
-    print(f"# KDA kernels compiled for sm_{args.arch}, head dim {args.D}")
+    return args
+
+
+def print_header(title: str) -> None:
+    print(title)
     print("| kernel | dtype | warps | registers / thread | stack bytes / thread (spills) | shared bytes |")
     print("|---|---|---|---|---|---|")
+
+
+def print_row(name: str, dtype: str, warps: int, compiled) -> None:
+    """One table row: the compiled kernel's registers, spills and shared memory (cuobjdump)."""
+    usage = resource_usage(compiled.asm["cubin"])
+    print(f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |", flush=True)
+
+
+def main(argv=None):
+    p = parser(__doc__, [4, 8], ["fp32", "bf16"])
+    p.add_argument("--D", type=int, default=128, help="head dim (K = V)")
+    p.add_argument("--only", nargs="+", help="kernel names (default: all)")
+    args = parse(p, argv)
+    print_header(f"# KDA kernels compiled for sm_{args.arch}, head dim {args.D}")
     for dtype in args.dtype:
         for name, kernel in kernels().items():
             if args.only and name not in args.only:
                 continue
             for warps in args.warps:
                 safe = name.endswith(_SAFE_SUFFIX)
-                usage = resource_usage(
-                    compile_kernel(kernel, args.D, dtype, args.arch, warps, safe_gate=safe).asm["cubin"]
-                )
-                print(
-                    f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |",
-                    flush=True,
-                )
+                print_row(name, dtype, warps, compile_kernel(kernel, args.D, dtype, args.arch, warps, safe_gate=safe))
 
 
 if __name__ == "__main__":

@@ -8,14 +8,11 @@ Prints registers, spills and shared memory per build. Must run without TRITON_IN
 
 from __future__ import annotations
 
-import argparse
-import os
-
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler import compile as triton_compile
 
-from ..kda.compile_check import resource_usage
+from ..kda.compile_check import parse, parser, print_header, print_row
 from .grouped_matmul import mxfp4_grouped_matmul_kernel
 
 
@@ -45,24 +42,12 @@ def compile_kernel(
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    p.add_argument("--warps", type=int, nargs="+", default=[8])
-    p.add_argument("--dtype", nargs="+", default=["bf16", "fp32"], choices=["fp32", "bf16", "fp16"])
-    args = p.parse_args(argv)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        p.error("unset TRITON_INTERPRET: this compiles for the GPU")
-    print(f"# MXFP4 grouped matmul compiled for sm_{args.arch}")
-    print("| kernel | dtype | warps | registers / thread | stack bytes / thread (spills) | shared bytes |")
-    print("|---|---|---|---|---|---|")
+    args = parse(parser(__doc__, [8], ["bf16", "fp32"]), argv)
+    print_header(f"# MXFP4 grouped matmul compiled for sm_{args.arch}")
     for dtype in args.dtype:
         for name, transpose in DIRECTIONS:
             for warps in args.warps:
-                usage = resource_usage(compile_kernel(transpose, dtype, args.arch, warps).asm["cubin"])
-                print(
-                    f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |",
-                    flush=True,
-                )
+                print_row(name, dtype, warps, compile_kernel(transpose, dtype, args.arch, warps))
 
 
 if __name__ == "__main__":

@@ -553,24 +553,17 @@ class KimiHybridRouter(KeepFP32Mixin, nn.Module):
         return logits, weights * self.routed_scaling_factor, indices
 
 
-@use_experts_implementation
-class KimiHybridExperts(nn.Module):
-    """Routed SwiGLU experts stored stacked: gate_up_proj [E, 2I, hidden] (gate rows first),
-    down_proj [E, hidden, I] (transformers' concatenated, non-transposed experts layout). The forward is
-    transformers' experts interface (`experts_implementation`: "grouped_mm" by default, "batched_mm", or
-    "eager" = the loop below: tokens grouped by expert with one sort, one matmul per expert)."""
+class _RoutedExperts(nn.Module):
+    """What the two forms of the routed experts share: their sizes, the gate activation, the grouping of routed rows by
+    expert (one sort) and the static-shape forward for torch.compile. A subclass holds the weights and says how to get
+    expert e's (`expert_weights`)."""
 
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__()
         # Stable LatentMoE (Kimi K3): the experts' input and output width is the latent routed_expert_hidden_size
-        E, H, inter = (
-            config.num_experts,
-            config.routed_expert_hidden_size or config.hidden_size,
-            config.moe_intermediate_size,
-        )
-        self.num_experts = E
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+        self.num_experts = config.num_experts
+        self.hidden = config.routed_expert_hidden_size or config.hidden_size
+        self.intermediate = config.moe_intermediate_size
         self.glu = KimiHybridGLU(config)
 
     def _apply_gate(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -578,26 +571,24 @@ class KimiHybridExperts(nn.Module):
         gate, up = gate_up.chunk(2, dim=-1)
         return self.glu(gate, up)
 
-    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; indices, weights [N, k] -> [N, hidden]. Under expert parallelism, num_experts is this
-        rank's count and an index num_experts marks a route to another rank's expert (weight 0): skipped."""
-        if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
-            return self._dense_forward(x, indices, weights)
-        k = indices.shape[1]
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e's (gate_up [2I, hidden], down [hidden, I]) in dtype."""
+        raise NotImplementedError
+
+    def _route(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """indices [N, k] -> (order: the routed slots sorted by expert, token: each slot's row of x, counts: slots per
+        expert). Under expert parallelism num_experts is this rank's count and an index num_experts marks a route to
+        another rank's expert (weight 0): those slots sort last and are dropped."""
         flat = indices.flatten()
         order = flat.argsort(stable=True)
-        token = order // k
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        xs = x[token]
-        outs = []
-        for e, seg in enumerate(xs.split(counts)):
-            if e >= self.num_experts:  # EP sentinels, sorted last
-                outs.append(torch.zeros_like(seg))
-            elif counts[e]:
-                outs.append(F.linear(self._apply_gate(F.linear(seg, self.gate_up_proj[e])), self.down_proj[e]))
-        if not outs:
-            return torch.zeros_like(x)
-        y = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()[: self.num_experts]
+        order = order[: sum(counts)]
+        return order, order // indices.shape[1], counts
+
+    @staticmethod
+    def _combine(x: torch.Tensor, y: torch.Tensor, order, token, weights: torch.Tensor) -> torch.Tensor:
+        """The routed outputs y [slots, hidden] (in `order`) weighted and summed back into x's rows."""
+        y = y * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, y)
 
     def _dense_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -607,10 +598,40 @@ class KimiHybridExperts(nn.Module):
         routing = routing.scatter_add(1, indices, weights)[:, : self.num_experts].to(x.dtype)
         y = torch.zeros_like(x)
         for e in range(self.num_experts):
-            y = y + routing[:, e, None] * F.linear(
-                self._apply_gate(F.linear(x, self.gate_up_proj[e])), self.down_proj[e]
-            )
+            gate_up, down = self.expert_weights(e, x.dtype)
+            y = y + routing[:, e, None] * F.linear(self._apply_gate(F.linear(x, gate_up)), down)
         return y
+
+
+@use_experts_implementation
+class KimiHybridExperts(_RoutedExperts):
+    """Routed SwiGLU experts stored stacked: gate_up_proj [E, 2I, hidden] (gate rows first),
+    down_proj [E, hidden, I] (transformers' concatenated, non-transposed experts layout). The forward is
+    transformers' experts interface (`experts_implementation`: "grouped_mm" by default, "batched_mm", or
+    "eager" = the loop below: tokens grouped by expert with one sort, one matmul per expert)."""
+
+    def __init__(self, config: KimiHybridTextConfig):
+        super().__init__(config)
+        E, H, inter = self.num_experts, self.hidden, self.intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * inter, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, inter))
+
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate_up_proj[e], self.down_proj[e]
+
+    def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, hidden]; indices, weights [N, k] -> [N, hidden] (routes to another rank's expert skipped)."""
+        if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
+            return self._dense_forward(x, indices, weights)
+        order, token, counts = self._route(indices)
+        outs = [
+            F.linear(self._apply_gate(F.linear(seg, self.gate_up_proj[e])), self.down_proj[e])
+            for e, seg in enumerate(x[token].split(counts))
+            if counts[e]
+        ]
+        if not outs:
+            return torch.zeros_like(x)
+        return self._combine(x, torch.cat(outs), order, token, weights)
 
 
 MXFP4_TRAINING_ERROR = (
@@ -622,7 +643,7 @@ MXFP4_TRAINING_ERROR = (
 )
 
 
-class KimiHybridMxfp4Experts(nn.Module):
+class KimiHybridMxfp4Experts(_RoutedExperts):
     """The routed experts kept as their MXFP4 bytes (Kimi K3's release, `experts_format="mxfp4"`), stacked per layer
     in the dense experts' layout: gate_up_proj [E, 2I, hidden / 2] uint8 (two E2M1 codes a byte, gate rows first)
     with gate_up_proj_scale [E, 2I, hidden / 32] uint8 (E8M0, one per 32 inputs), down_proj [E, hidden, I / 2] with
@@ -633,62 +654,40 @@ class KimiHybridMxfp4Experts(nn.Module):
     one at a time (ops/mxfp4_matmul.py; a Triton kernel on CUDA decodes tiles in registers instead)."""
 
     def __init__(self, config: KimiHybridTextConfig):
-        super().__init__()
-        E, H, inter = (
-            config.num_experts,
-            config.routed_expert_hidden_size or config.hidden_size,
-            config.moe_intermediate_size,
-        )
+        super().__init__(config)
+        E, H, inter = self.num_experts, self.hidden, self.intermediate
         if H % 32 or inter % 32:
             raise ValueError(
                 f"experts_format='mxfp4': the experts' widths ({H}, moe_intermediate_size {inter}) must be multiples "
                 "of 32, the MXFP4 block"
             )
-        self.num_experts = E
 
         def frozen(*shape):
             return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
 
         self.gate_up_proj, self.gate_up_proj_scale = frozen(E, 2 * inter, H // 2), frozen(E, 2 * inter, H // 32)
         self.down_proj, self.down_proj_scale = frozen(E, H, inter // 2), frozen(E, H, inter // 32)
-        self.glu = KimiHybridGLU(config)
 
     def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """gate_up_proj / down_proj as the dense experts hold it, [E, out, in] of dtype (exact; all experts at once:
         for tests, merging and export, not the forward)."""
         return dequantize_mxfp4(getattr(self, name), getattr(self, name + "_scale"), dtype=dtype, name=name)
 
+    def expert_weights(self, e: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert e dequantised (exact): the static-shape path's weights."""
+        return tuple(
+            dequantize_mxfp4(getattr(self, n)[e], getattr(self, n + "_scale")[e], dtype=dtype)
+            for n in ("gate_up_proj", "down_proj")
+        )
+
     def forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, hidden]; indices, weights [N, k] -> [N, hidden], as KimiHybridExperts (index num_experts: a route
-        to another rank's expert under expert parallelism, skipped)."""
+        """x [N, hidden]; indices, weights [N, k] -> [N, hidden], as KimiHybridExperts."""
         if torch.compiler.is_compiling():  # no host sync (bincount().tolist()) in a traced or exported graph
             return self._dense_forward(x, indices, weights)
-        E = self.num_experts
-        k = indices.shape[1]
-        flat = indices.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=E).tolist()[:E]  # EP sentinels (index E) sort last: dropped
-        local = sum(counts)
-        order = order[:local]
-        token = order // k
+        order, token, counts = self._route(indices)
         h = mxfp4_grouped_linear(x[token], self.gate_up_proj, self.gate_up_proj_scale, counts)
-        gate, up = h.chunk(2, dim=-1)
-        y = mxfp4_grouped_linear(self.glu(gate, up), self.down_proj, self.down_proj_scale, counts)
-        y = y * weights.flatten()[order, None].to(x.dtype)
-        return torch.zeros_like(x).index_add_(0, token, y)
-
-    def _dense_forward(self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """Every expert on every token, weighted by the [N, E] routing matrix (KimiHybridExperts._dense_forward), each
-        expert dequantised in turn: static shapes for torch.compile, E times the routed compute."""
-        routing = torch.zeros(x.shape[0], self.num_experts + 1, device=x.device, dtype=weights.dtype)  # + EP sentinel
-        routing = routing.scatter_add(1, indices, weights)[:, : self.num_experts].to(x.dtype)
-        y = torch.zeros_like(x)
-        for e in range(self.num_experts):
-            gate_up = F.linear(x, dequantize_mxfp4(self.gate_up_proj[e], self.gate_up_proj_scale[e], dtype=x.dtype))
-            gate, up = gate_up.chunk(2, dim=-1)
-            down = dequantize_mxfp4(self.down_proj[e], self.down_proj_scale[e], dtype=x.dtype)
-            y = y + routing[:, e, None] * F.linear(self.glu(gate, up), down)
-        return y
+        y = mxfp4_grouped_linear(self._apply_gate(h), self.down_proj, self.down_proj_scale, counts)
+        return self._combine(x, y, order, token, weights)
 
 
 class KimiHybridMoE(nn.Module):

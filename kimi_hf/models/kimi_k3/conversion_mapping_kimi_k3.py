@@ -49,6 +49,18 @@ def _as_bytes(t: torch.Tensor, name: str) -> torch.Tensor:
     return back
 
 
+def mxfp4_bytes(
+    packed: torch.Tensor, scale: torch.Tensor, name: str, expected_shape
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A checkpoint's MXFP4 pair as uint8 tensors (`_as_bytes`), checked (ops/mxfp4.check_mxfp4: shapes of one
+    [out, in] = expected_shape weight, no NaN scale byte), before it is stacked or decoded."""
+    from ...ops.mxfp4 import check_mxfp4
+
+    packed, scale = _as_bytes(packed, name), _as_bytes(scale, name)
+    check_mxfp4(packed, scale, name, expected_shape=expected_shape)
+    return packed, scale
+
+
 class DequantizeMxfp4(ConversionOps):
     """Kimi K3's MXFP4 routed experts (compressed-tensors mxfp4-pack-quantized) to the model's stacked experts, in one
     pass over each expert's `*.weight_packed` [out, in/2] uint8 and `*.weight_scale` [out, in/32] (w1 rows then w3
@@ -60,7 +72,7 @@ class DequantizeMxfp4(ConversionOps):
 
     @torch.no_grad()
     def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
-        from ...ops.mxfp4 import check_mxfp4, dequantize_mxfp4
+        from ...ops.mxfp4 import dequantize_mxfp4
 
         dtype = torch.bfloat16
         if model is not None and full_layer_name is not None:
@@ -106,8 +118,7 @@ class DequantizeMxfp4(ConversionOps):
         for (pattern, packed, scales), n in zip(parts, rows):
             name = f"{full_layer_name} ({pattern})"
             for e in range(E):
-                p, s = _as_bytes(packed[e], name), _as_bytes(scales[e], name)
-                check_mxfp4(p, s, f"{name}[{e}]", expected_shape=(n, n_in))
+                p, s = mxfp4_bytes(packed[e], scales[e], f"{name}[{e}]", (n, n_in))
                 if resident:
                     out[e, start : start + n], out_scale[e, start : start + n] = p, s
                 else:
@@ -189,5 +200,6 @@ __all__ = [
     "K3_RES_PARAMS",
     "DequantizeMxfp4",
     "k3_mapping",
+    "mxfp4_bytes",
     "register_k3",
 ]

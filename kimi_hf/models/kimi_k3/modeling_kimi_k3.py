@@ -324,8 +324,7 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
 
-    from ...ops.mxfp4 import check_mxfp4
-    from .conversion_mapping_kimi_k3 import _as_bytes, k3_mapping
+    from .conversion_mapping_kimi_k3 import k3_mapping, mxfp4_bytes
 
     experts, rest = {}, {}
     for key, tensor in state_dict.items():
@@ -365,27 +364,22 @@ def load_k3_state_dict(model: "KimiK3ForConditionalGeneration", state_dict: dict
         target = param[int(e)].chunk(n_parts, dim=0)[part]
         if "weight" in parts and len(parts) > 1:
             raise ValueError(f"{first}: an expert stored both as .weight and as MXFP4 bytes")
-        if param.dtype == torch.uint8:  # resident MXFP4 experts: the bytes are copied as they are
-            if "weight" in parts:
-                raise ValueError(
-                    f"{first}: a dense expert weight cannot go into experts kept in MXFP4 (experts_format='mxfp4'); "
-                    "load the model with experts_format='dense'"
-                )
-            key = parts["weight_packed"][0]
-            p, sc = _as_bytes(parts["weight_packed"][1], key), _as_bytes(parts["weight_scale"][1], key)
-            scale_target = model.get_parameter(name + _SCALE)[int(e)].chunk(n_parts, dim=0)[part]
-            check_mxfp4(p, sc, key, expected_shape=(target.shape[0], 2 * target.shape[1]))
-            target.copy_(p)
-            scale_target.copy_(sc)
-            filled.setdefault(name, set()).add((int(e), w))
-            continue
+        resident = param.dtype == torch.uint8  # MXFP4 experts kept as bytes: target [rows, in / 2]
+        if resident and "weight" in parts:
+            raise ValueError(
+                f"{first}: a dense expert weight cannot go into experts kept in MXFP4 (experts_format='mxfp4'); "
+                "load the model with experts_format='dense'"
+            )
         if "weight" in parts:
             value = parts["weight"][1]
         else:
             key = parts["weight_packed"][0]
-            p, sc = _as_bytes(parts["weight_packed"][1], key), _as_bytes(parts["weight_scale"][1], key)
-            check_mxfp4(p, sc, key, expected_shape=tuple(target.shape))
-            value = dequantize_mxfp4(p, sc, dtype=param.dtype, name=key)
+            logical = (target.shape[0], 2 * target.shape[1]) if resident else tuple(target.shape)
+            value, scale = mxfp4_bytes(parts["weight_packed"][1], parts["weight_scale"][1], key, logical)
+            if resident:  # the bytes go in as they are, the scales beside them
+                model.get_parameter(name + _SCALE)[int(e)].chunk(n_parts, dim=0)[part].copy_(scale)
+            else:
+                value = dequantize_mxfp4(value, scale, dtype=param.dtype, name=key)
         if tuple(value.shape) != tuple(target.shape):
             raise ValueError(f"{first}: shape {tuple(value.shape)}, the model's {tuple(target.shape)}")
         target.copy_(value)

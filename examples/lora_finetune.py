@@ -130,7 +130,7 @@ def main(argv=None) -> dict:
     base, processor = load_base(args.model, rows, args.out, args.experts_format)
     experts_format = getattr(base, "experts_format", "dense")
     experts_mb = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".experts." in n) / 2**20
-    print(f"routed experts: {experts_format} ({experts_mb:.1f} MB in memory)")
+    print(f"routed experts: {experts_format} ({experts_mb:.3g} MB in memory)")
     before = accuracy(base, processor, rows)
 
     targets = lora_targets(base)

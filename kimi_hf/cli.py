@@ -3,6 +3,7 @@
     kimi-hf quickstart [--arch k3|kimi-linear] [--size tiny|small|base] [--steps N] [--out DIR] [--device auto|cpu|cuda]
     kimi-hf convert kimi-linear SRC DST [...]       kimi-hf convert k25-vision TEXT K25 DST [...]
     kimi-hf convert k3 SRC DST [...]                (Kimi K3 with its MXFP4 experts dequantised)
+    kimi-hf plan MODEL_DIR_OR_CONFIG --task infer|lora|full --gpus N [...]   (per-rank memory of a K3 job)
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
     kimi-hf bench NAME [...]                        (benchmarks/NAME.py of a source checkout)
 
@@ -26,6 +27,7 @@ COMMAND_HELP = {
     "quickstart": "build, train, save, reload and try a small early-fusion hybrid model (offline, CPU)",
     "convert": "convert checkpoints: kimi-linear (Kimi Linear namings), k25-vision (add K2.5's vision tower), "
     "k3 (dequantise Kimi K3's MXFP4 experts)",
+    "plan": "per-rank memory of a K3 job (weights, adapters, gradients, optimizer, activations) and the layout that fits",
     "serve": "an OpenAI-compatible HTTP server (transformers serve) for this package's models",
     "bench": "run one of the benchmarks/ scripts of a source checkout",
 }
@@ -144,6 +146,12 @@ def _convert(argv):
     return main(argv[1:], prog=f"{PROG} convert {name}")
 
 
+def _plan(argv):
+    from .plan.cli import main  # torch is imported once the flags are read
+
+    return main(argv, prog=f"{PROG} plan")
+
+
 def _serve(argv):
     # kimi_hf.serving parses the arguments, and checks MODEL_DIR before the server starts
     from .serving import main
@@ -171,7 +179,7 @@ def _bench(argv):
         raise SystemExit(code)
 
 
-COMMANDS = {"quickstart": _quickstart, "convert": _convert, "serve": _serve, "bench": _bench}
+COMMANDS = {"quickstart": _quickstart, "convert": _convert, "plan": _plan, "serve": _serve, "bench": _bench}
 
 
 def run(argv: list[str] | None = None):

@@ -46,6 +46,7 @@ def test_help_does_not_import_torch_or_transformers():
         [str(SCRIPT), "--help"],
         [str(SCRIPT), "quickstart", "--help"],
         [str(SCRIPT), "serve", "--help"],
+        [str(SCRIPT), "plan", "--help"],
         [str(SCRIPT), "bench", "--help"],
         ["-m", "kimi_hf", "--version"],
     ):
@@ -83,6 +84,7 @@ def test_version(capsys):
         (["convert", "k25-vision", "--help"], "usage: kimi-hf convert k25-vision [-h]"),
         (["bench", "--help"], "usage: kimi-hf bench [-h] NAME"),
         (["serve", "--help"], "usage: kimi-hf serve [-h]"),
+        (["plan", "--help"], "usage: kimi-hf plan [-h]"),
     ],
 )
 def test_every_help_exits_0_and_names_its_program(argv, usage, capsys):

@@ -114,8 +114,8 @@ def _run(
         if use_beta_sigmoid_in_kernel:
             beta = torch.sigmoid(beta.to(_compute_dtype(q)))
     # autocast would turn the fp32 gate / state arithmetic's matmuls into bf16 halfway: the op picks its
-    # own compute dtype from the inputs instead
-    with torch.autocast(q.device.type, enabled=False):
+    # own compute dtype from the inputs instead (meta tensors, which the memory planner traces, have no autocast)
+    with torch.autocast(q.device.type if q.device.type != "meta" else "cpu", enabled=False):
         o, S = impl(q, k, v, g, beta, scale, initial_state, output_final_state, **kw)
     return o.to(q.dtype), S
 

@@ -65,6 +65,8 @@ def _resolve(backend: str, x: torch.Tensor) -> str:
 
 
 def _matmul(x, packed, scale, counts, transpose, backend):
+    if x.is_meta:  # shapes only (the memory planner's trace, kimi_hf/plan): no expert is dequantised
+        return x.new_empty(x.shape[0], packed.shape[1] if not transpose else 2 * packed.shape[2])
     if backend == "triton":
         return _triton_matmul(x, packed, scale, counts, transpose=transpose)
     return _torch_matmul(x, packed, scale, counts, transpose)

@@ -581,6 +581,9 @@ class _RoutedExperts(nn.Module):
         another rank's expert (weight 0): those slots sort last and are dropped."""
         flat = indices.flatten()
         order = flat.argsort(stable=True)
+        if flat.is_meta:  # no values to count (the memory planner's trace, kimi_hf/plan): balanced routing
+            share, extra = divmod(flat.numel(), self.num_experts)
+            return order, order // indices.shape[1], [share + (e < extra) for e in range(self.num_experts)]
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()[: self.num_experts]
         order = order[: sum(counts)]
         return order, order // indices.shape[1], counts

@@ -1,0 +1,473 @@
+"""`kimi-hf plan`: the memory a Kimi K3 (or Kimi Linear) job needs on each device, from its config.json alone.
+
+Every figure comes from the model's own code, built on the meta device at the configured size (no weights, no
+memory: Kimi K3's 2.8 T parameters build in about a second):
+- weights, adapters, gradients, optimizer states: the parameters themselves (resident MXFP4 experts as their uint8
+  bytes, or dense in the model dtype), PEFT's LoRA adapters (fp32) applied to that model, and MuonClip's split
+  (`kimi_hf.optim.muon.split_params`: one fp32 momentum per Muon element, two fp32 moments per AdamW one), each
+  divided as the layout shards it (tensor.parallel plans of the config, whole experts over ep, FSDP2's dim-0 shards,
+  pipeline stages by layer), plus FSDP2's all-gathered layers in flight (the current and the prefetched one);
+- activations: a traced forward of one rank's model (its heads, intermediates and routed slots under tp / ep) at
+  micro_batch x seq_len (`trace.py`): what autograd, activation checkpointing and the loss hold for the backward,
+  plus the backward's transient (the logits' gradient, one layer's recomputation under checkpointing); for
+  inference, the prefill's peak and the decode cache it leaves.
+Checked against measured allocations of small K3 models on CPU (tests/plan). Not modelled: the vision tower's
+activations (text batches), CUDA context and communication buffers (`headroom` covers them), fragmentation.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import Layout, check_layout, parse_bytes
+from .trace import TOP, LiveStorages, storage_keys, tag_layers
+
+
+TASKS = ("infer", "lora", "full")
+OPTIMIZERS = ("muonclip", "adamw")
+MODEL_TYPES = ("kimi_k3", "kimi_k3_text", "kimi_hybrid", "kimi_hybrid_text")
+# tensor-parallel styles that split a parameter over the tp ranks (the others replicate it)
+SHARDING_STYLES = {"colwise", "rowwise", "packed_colwise", "embedding_rowwise", "colwise_gather_output"}
+_LAYER = re.compile(r"(?:language_model|^model)\.layers\.(\d+)\.")
+_FIRST_STAGE = ("embed_tokens", "vision_tower", "mm_projector")  # the rest outside the layers: the last stage
+
+
+def load_config(model: str | os.PathLike | dict):
+    """A config object of this package's architectures from a model folder, a config.json or a dict; ValueError
+    naming the file for anything else (a missing file, another architecture)."""
+    from ..models.kimi_hybrid.configuration_kimi_hybrid import KimiHybridConfig, KimiHybridTextConfig
+    from ..models.kimi_k3.configuration_kimi_k3 import KimiK3Config, KimiK3TextConfig
+
+    if isinstance(model, dict):
+        data, where = model, "the config"
+    else:
+        path = os.path.join(model, "config.json") if os.path.isdir(model) else os.fspath(model)
+        if not os.path.isfile(path):
+            raise ValueError(f"MODEL_DIR_OR_CONFIG: no config.json at {path}")
+        try:
+            with open(path) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"MODEL_DIR_OR_CONFIG: {path} is not a readable JSON config: {e}") from e
+        where = path
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    if model_type not in MODEL_TYPES:
+        raise ValueError(
+            f"{where}: model_type {model_type!r} is not one this planner models (one of {', '.join(MODEL_TYPES)})"
+        )
+    classes = (KimiK3Config, KimiK3TextConfig, KimiHybridConfig, KimiHybridTextConfig)
+    return {c.model_type: c for c in classes}[model_type].from_dict(data)
+
+
+def _is_k3(config) -> bool:
+    return config.model_type.startswith("kimi_k3")
+
+
+def resolve_experts_format(config, task: str, experts_format: str | None) -> str:
+    """None: "mxfp4" for a config stored in MXFP4 (inference and LoRA), else "dense"; full fine-tuning trains the
+    routed experts, so it needs them dense."""
+    if experts_format not in (None, "mxfp4", "dense"):
+        raise ValueError(f"--experts-format must be mxfp4 or dense, got {experts_format!r}")
+    stored_mxfp4 = False
+    if _is_k3(config):
+        from ..models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
+
+        stored_mxfp4 = experts_are_mxfp4(config.get_text_config())
+    if experts_format is None:
+        return "mxfp4" if stored_mxfp4 and task != "full" else "dense"
+    if experts_format == "mxfp4":
+        if task == "full":
+            raise ValueError(
+                "--task full trains the routed experts, which resident MXFP4 bytes cannot: use --experts-format dense"
+            )
+        if not stored_mxfp4:
+            raise ValueError("--experts-format mxfp4: this config's routed experts are not stored in MXFP4")
+    return experts_format
+
+
+def _build(config, dtype: torch.dtype, experts_format: str, text_only: bool):
+    """The model of `config` on the meta device (text_only: its causal LM on the text config)."""
+    from ..models.kimi_hybrid.modeling_kimi_hybrid import KimiHybridForCausalLM
+    from ..models.kimi_hybrid.modeling_kimi_hybrid_multimodal import KimiHybridForConditionalGeneration
+    from ..models.kimi_k3.modeling_kimi_k3 import KimiK3ForCausalLM, KimiK3ForConditionalGeneration
+
+    k3 = _is_k3(config)
+    if k3:
+        config.get_text_config().experts_format = experts_format
+    if text_only or config.model_type.endswith("_text"):
+        config, cls = config.get_text_config(), (KimiK3ForCausalLM if k3 else KimiHybridForCausalLM)
+    else:
+        cls = KimiK3ForConditionalGeneration if k3 else KimiHybridForConditionalGeneration
+    with torch.device("meta"):
+        return cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+
+
+def _lora(model, rank: int):
+    from peft import LoraConfig, get_peft_model
+
+    from ..models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES
+    from ..models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+
+    targets = K3_LORA_TARGET_MODULES if _is_k3(model.config) else LORA_TARGET_MODULES
+    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+
+
+@dataclass
+class _Tensor:
+    layer: int | None  # decoder layer, None outside them
+    first: bool  # outside the layers, on the first stage
+    expert: bool
+    tp_sharded: bool
+    rows: int
+    row_bytes: int
+    kind: str  # "weights" | "adapters"
+    trainable: bool
+    muon: bool
+    element: int  # bytes an element
+
+    def shard(self, layout: Layout) -> tuple[int, int]:
+        """(bytes on one rank, bytes on one rank before FSDP's split: what an all-gather brings in)."""
+        if self.expert:  # whole experts over ep (ep > 1), else split by tp; the experts' FSDP takes the rest
+            split_rows = self.rows // layout.ep if layout.ep > 1 else self.rows
+            split_bytes = self.row_bytes if layout.ep > 1 else self.row_bytes // layout.tp
+            fsdp = layout.tp * layout.fsdp // layout.ep if layout.ep > 1 else layout.fsdp
+        else:
+            split_rows, split_bytes, fsdp = self.rows, self.row_bytes, layout.fsdp
+            if self.tp_sharded:
+                split_bytes = self.row_bytes // layout.tp if self.rows == 1 else self.row_bytes
+                split_rows = self.rows if self.rows == 1 else -(-self.rows // layout.tp)
+        gathered = split_rows * split_bytes
+        return -(-split_rows // fsdp) * split_bytes, gathered
+
+
+def _tp_patterns(text_config, top_plan: dict[str, str]) -> list[re.Pattern]:
+    from ..models.kimi_hybrid.parallel_kimi_hybrid import tp_plan_for
+
+    plan = {**tp_plan_for(text_config), **top_plan}
+    return [
+        re.compile(r"(?:^|\.)" + re.escape(key).replace(r"\*", r"\d+") + r"(?:\.|$)")
+        for key, style in plan.items()
+        if style in SHARDING_STYLES
+    ]
+
+
+def _tensors(model, text_config) -> list[_Tensor]:
+    from ..optim.muon import split_params
+
+    muon = {id(p) for p in split_params(model)[0]}
+    # the head's and the embedding's rules: the causal LM's _tp_plan, and the one transformers adds itself
+    patterns = _tp_patterns(text_config, {"lm_head": "colwise_gather_output", "embed_tokens": "embedding_rowwise"})
+    out = []
+    for name, p in model.named_parameters():
+        name = name.replace("base_model.model.", "", 1)
+        m = _LAYER.search(name)
+        adapter = ".lora_" in name
+        rows = p.shape[0] if p.dim() else 1
+        out.append(
+            _Tensor(
+                layer=int(m.group(1)) if m else None,
+                first=m is None and any(k in name for k in _FIRST_STAGE),
+                expert=".mlp.experts." in name,
+                tp_sharded=not adapter and any(pat.search(name) for pat in patterns),
+                rows=rows,
+                row_bytes=p.numel() * p.element_size() // max(rows, 1),
+                kind="adapters" if adapter else "weights",
+                trainable=p.requires_grad,
+                muon=id(p) in muon,
+                element=p.element_size(),
+            )
+        )
+    return out
+
+
+def _stage(layer: int | None, first: bool, layers: int, pp: int) -> int:
+    if layer is None:
+        return 0 if first else pp - 1
+    return layer * pp // layers
+
+
+def _trace_config(text_config, layout: Layout):
+    """One tp rank's share of the text config: its heads and intermediate widths; its routed slots (with ep: whole
+    experts, micro_batch x seq_len x top-k / tp slots a rank, as the tp ranks share the tokens)."""
+    c = copy.deepcopy(text_config)
+    tp = layout.tp
+    if tp > 1:
+        c.num_attention_heads //= tp
+        c.num_key_value_heads = max(1, c.num_key_value_heads // tp)
+        c.linear_num_heads //= tp
+        c.intermediate_size //= tp
+        if layout.ep > 1:
+            c.num_experts_per_tok = max(1, c.num_experts_per_tok // tp)
+        else:
+            c.moe_intermediate_size //= tp
+    return c
+
+
+@dataclass
+class _Trace:
+    saved: dict[int, int]  # live bytes after the forward by layer (TOP: outside the layers)
+    layer_full: dict[int, int] = field(default_factory=dict)  # no checkpointing: each layer's own saved bytes
+    peak: int = 0  # inference: the prefill's peak
+    logits_grad: int = 0
+
+
+def trace_activations(
+    config,
+    layout: Layout,
+    task: str,
+    seq_len: int,
+    micro_batch: int,
+    checkpointing: bool,
+    dtype: torch.dtype,
+    experts_format: str,
+    lora_rank: int,
+) -> _Trace:
+    """A forward of one rank's text model on meta tensors (see the module docstring)."""
+    text = _trace_config(config.get_text_config(), layout)
+    model = _build(text, dtype, experts_format, text_only=True)
+    ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
+    # no padding: the masks the model would build and then skip (their checks read values meta tensors lack)
+    masks = {"full_attention": None, "linear_attention": None}
+    if task == "infer":
+        model.eval()
+        mode = LiveStorages(exclude=storage_keys(model), follow_peak=True)
+        with torch.no_grad(), mode:
+            out = model(input_ids=ids, attention_mask=masks, use_cache=True, logits_to_keep=1)
+        cache = mode.live()
+        del out
+        return _Trace(saved={TOP: cache}, peak=mode.peak)
+    if task == "lora":
+        model = _lora(model, lora_rank)
+    model.train()
+
+    def run(ckpt: bool) -> dict[int, int]:
+        if ckpt:
+            with warnings.catch_warnings():  # transformers' own deprecation notices about its checkpointing names
+                warnings.simplefilter("ignore", FutureWarning)
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        mode = LiveStorages(exclude=storage_keys(model))
+        base = model.get_base_model() if task == "lora" else model
+        handles = tag_layers(mode, base.model.layers)
+        try:
+            with mode, warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                out = model(input_ids=ids, labels=ids, attention_mask=masks, use_cache=False)
+            return mode.live_by_tag()
+        finally:
+            del out
+            for h in handles:
+                h.remove()
+
+    full = run(False)
+    saved = run(True) if checkpointing else full
+    vocab = text.vocab_size
+    element = torch.finfo(dtype).bits // 8
+    # the backward starts from the loss's gradient: fp32 over the logits, then in the model's dtype
+    return _Trace(saved=saved, layer_full=full, logits_grad=micro_batch * seq_len * vocab * (4 + element))
+
+
+def cache_bytes_per_token(text_config, layout: Layout, dtype: torch.dtype) -> tuple[int, int]:
+    """(decode cache bytes a token, fixed bytes a sequence) on one tp rank: MLA's compressed latent and rope key
+    (shared by the heads, so on every rank) per full-attention layer; KDA's fp32 [K, V] state per head and its
+    short convolutions' last kernel-1 inputs of q, k and v per linear-attention layer."""
+    element = torch.finfo(dtype).bits // 8
+    kinds = text_config.layer_types
+    mla, kda = kinds.count("full_attention"), kinds.count("linear_attention")
+    per_token = mla * (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * element
+    heads = text_config.linear_num_heads // layout.tp
+    d = text_config.linear_head_dim
+    per_sequence = kda * (heads * d * d * 4 + (text_config.linear_conv_kernel_dim - 1) * 3 * heads * d * element)
+    return per_token, per_sequence
+
+
+@dataclass
+class MemoryPlan:
+    """Bytes on the fullest rank (`per_rank`), the model's total weight bytes and whether the job fits."""
+
+    task: str
+    layout: Layout
+    gpus: int
+    dp_replicate: int
+    gpu_memory: int
+    usable: int
+    per_rank: dict[str, int]
+    total_weights: int
+    experts_format: str
+    seq_len: int
+    micro_batch: int
+    checkpointing: bool
+    optimizer: str
+    cache_per_token: int
+    cache_per_sequence: int
+    stage: int
+    trainable: int
+    activations_saved: int = 0  # of the activations: what the forward leaves for the backward (the rest: transient)
+
+    @property
+    def fits(self) -> bool:
+        return self.per_rank["total"] <= self.usable
+
+    def to_json(self) -> dict:
+        return {
+            "task": self.task,
+            "per_rank": dict(self.per_rank),
+            "total_weights": self.total_weights,
+            "fits": self.fits,
+            "layout": self.layout.as_dict(),
+            "gpus": self.gpus,
+            "dp_replicate": self.dp_replicate,
+            "gpu_memory": self.gpu_memory,
+            "usable_memory": self.usable,
+            "experts_format": self.experts_format,
+            "seq_len": self.seq_len,
+            "micro_batch": self.micro_batch,
+            "checkpointing": self.checkpointing,
+            "optimizer": self.optimizer if self.task != "infer" else None,
+            "trainable_parameters": self.trainable,
+            "cache_per_token": self.cache_per_token,
+            "cache_per_sequence": self.cache_per_sequence,
+            "fullest_stage": self.stage,
+            "activations_saved": self.activations_saved,
+        }
+
+
+class Planner:
+    """The per-rank memory of one model and task for any layout (`plan`); builds the model once."""
+
+    def __init__(
+        self,
+        config,
+        task: str = "lora",
+        experts_format: str | None = None,
+        seq_len: int = 4096,
+        micro_batch: int = 1,
+        checkpointing: bool = False,
+        optimizer: str = "muonclip",
+        lora_rank: int = 16,
+        dtype: torch.dtype | str | None = None,
+    ):
+        if task not in TASKS:
+            raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"--optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+        for flag, value in (("--seq-len", seq_len), ("--micro-batch", micro_batch), ("--lora-rank", lora_rank)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+        self.config = load_config(config) if not hasattr(config, "get_text_config") else copy.deepcopy(config)
+        self.text = self.config.get_text_config()
+        if dtype is None:
+            dtype = getattr(self.config, "dtype", None) or "bfloat16"
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype}")
+        self.task, self.optimizer, self.dtype = task, optimizer, dtype
+        self.seq_len, self.micro_batch, self.checkpointing, self.lora_rank = (
+            seq_len,
+            micro_batch,
+            checkpointing,
+            lora_rank,
+        )
+        self.experts_format = resolve_experts_format(self.config, task, experts_format)
+        model = _build(self.config, dtype, self.experts_format, text_only=False)
+        if task == "lora":
+            model = _lora(model, lora_rank)
+        elif task == "infer":
+            model.requires_grad_(False)
+        self.tensors = _tensors(model, self.text)
+        self.total_weights = sum(t.rows * t.row_bytes for t in self.tensors if t.kind == "weights")
+        self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        self._traces: dict[tuple[int, int], _Trace] = {}
+
+    def _trace(self, layout: Layout) -> _Trace:
+        key = (layout.tp, layout.ep > 1)
+        if key not in self._traces:
+            self._traces[key] = trace_activations(
+                self.config,
+                layout,
+                self.task,
+                self.seq_len,
+                self.micro_batch,
+                self.checkpointing,
+                self.dtype,
+                self.experts_format,
+                self.lora_rank,
+            )
+        return self._traces[key]
+
+    def plan(self, layout: Layout, gpus: int | None = None, gpu_memory: str | int = "141GB", headroom: float = 0.08):
+        """The MemoryPlan of `layout` on `gpus` devices (default: one replica) of `gpu_memory` bytes each, of which
+        `headroom` (a fraction) is kept for the CUDA context, communication buffers and fragmentation."""
+        gpus = layout.replica if gpus is None else gpus
+        memory = parse_bytes(gpu_memory)
+        if not 0 <= headroom < 1:
+            raise ValueError(f"--headroom must be a fraction in [0, 1), got {headroom!r}")
+        dp = check_layout(layout, gpus, self.text, self.experts_format)
+        layers, pp = self.text.num_hidden_layers, layout.pp
+        stages = [dict.fromkeys(("weights", "adapters", "gradients", "optimizer"), 0) for _ in range(pp)]
+        gathered = [[0] * layers for _ in range(pp)]
+        for t in self.tensors:
+            s = _stage(t.layer, t.first, layers, pp)
+            local, full = t.shard(layout)
+            stages[s][t.kind] += local
+            if t.layer is not None and layout.fsdp > 1:
+                gathered[s][t.layer] += full - local
+            if t.trainable and self.task != "infer":
+                stages[s]["gradients"] += local
+                per_element = 4 if (t.muon and self.optimizer == "muonclip") else 8  # fp32 momentum / moments
+                stages[s]["optimizer"] += local // t.element * per_element
+        trace = self._trace(layout)
+        per_token, per_sequence = cache_bytes_per_token(self.text, layout, self.dtype)
+        best = None
+        for s in range(pp):
+            row = stages[s]
+            row["fsdp_gather"] = 2 * max(gathered[s], default=0)  # FSDP2: the running layer and the prefetched one
+            saved, transient, row["cache"] = self._activations(trace, s, pp, layers)
+            row["activations"] = saved + transient
+            row["total"] = sum(row.values())
+            if best is None or row["total"] > best[1]["total"]:
+                best = (s, row, saved)
+        stage, row, saved = best
+        return MemoryPlan(
+            task=self.task,
+            layout=layout,
+            gpus=gpus,
+            dp_replicate=dp,
+            gpu_memory=memory,
+            usable=int(memory * (1 - headroom)),
+            per_rank=row,
+            total_weights=self.total_weights,
+            experts_format=self.experts_format,
+            seq_len=self.seq_len,
+            micro_batch=self.micro_batch,
+            checkpointing=self.checkpointing,
+            optimizer=self.optimizer,
+            cache_per_token=per_token,
+            cache_per_sequence=per_sequence,
+            stage=stage,
+            trainable=self.trainable,
+            activations_saved=saved,
+        )
+
+    def _activations(self, trace: _Trace, stage: int, pp: int, layers: int) -> tuple[int, int, int]:
+        """(activations the forward leaves for the backward, the backward's transient, decode cache) of a stage. Training under 1F1B: stage s holds pp - s micro-batches'
+        activations of its layers; the last stage adds the head's and the loss's, and the backward's start."""
+        last = stage == pp - 1
+        if self.task == "infer":  # the prefill runs stage by stage: its peak and its cache, by layers
+            share = sum(1 for i in range(layers) if i * pp // layers == stage) / layers
+            cache = int(trace.saved[TOP] * share)
+            return 0, int((trace.peak - trace.saved[TOP]) * (share if not last else 1)), cache
+        mine = [i for i in range(layers) if i * pp // layers == stage]
+        held = sum(trace.saved.get(i, 0) for i in mine) * (pp - stage)
+        # the backward's transient: first the logits' gradient (last stage), freed with the head's saved tensors
+        # before the layers run; then, under checkpointing, one layer's recomputed activations at a time
+        transient = trace.logits_grad if last else 0
+        if self.checkpointing:
+            transient = max(transient, max((trace.layer_full.get(i, 0) for i in mine), default=0))
+        return held + (trace.saved.get(TOP, 0) if last else 0), transient, 0

@@ -1,0 +1,61 @@
+"""`kimi-hf plan` as a user runs it: the released Kimi K3 config.json (no weights anywhere), one JSON object with
+--json, one-line errors naming the flag before any model is built."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kimi_hf.cli import main
+
+
+ROOT = Path(__file__).resolve().parents[2]
+K3_CONFIG = ROOT / "examples" / "k3_released_config.json"  # moonshotai/Kimi-K3's config.json, verbatim
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "kimi_hf", "plan", *args], capture_output=True, text=True, cwd=ROOT)
+
+
+def released() -> str:
+    return str(K3_CONFIG)
+
+
+def test_released_k3_inference_plan_as_json():
+    """The whole released K3 (2.8 T parameters) on meta: the resident experts' bytes are 1.45 TB of its 1.56 TB."""
+    done = run(released(), "--task", "infer", "--tp", "8", "--ep", "8", "--fsdp", "2", "--gpus", "16", "--json")
+    assert done.returncode == 0, done.stderr[-3000:]
+    [line] = done.stdout.strip().splitlines()
+    plan = json.loads(line)
+    assert set(plan["per_rank"]) >= {"weights", "adapters", "gradients", "optimizer", "activations", "total"}
+    assert plan["layout"] == {"tp": 8, "ep": 8, "pp": 1, "fsdp": 2}
+    assert 1.5e12 < plan["total_weights"] < 1.6e12  # MXFP4: 4.25 bits an expert weight
+    # 16 ranks share the weights: the experts by tp x fsdp, the rest by fsdp (and tp where the plan shards)
+    assert plan["total_weights"] / 16 <= plan["per_rank"]["weights"] < plan["total_weights"] / 14
+    assert plan["per_rank"]["gradients"] == plan["per_rank"]["optimizer"] == 0
+    assert plan["fits"] is (plan["per_rank"]["total"] <= plan["usable_memory"])
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--ep", "3"], "--ep 3 does not divide num_experts (896)"),
+        (["--tp", "5", "--gpus", "5"], "--tp 5 does not divide num_attention_heads (96)"),
+        (["--tp", "8", "--gpus", "12"], "does not divide --gpus 12"),
+        (["--gpu-memory", "lots"], "--gpu-memory must be a size"),
+        (["--task", "full", "--experts-format", "mxfp4"], "--task full trains the routed experts"),
+        (["--pp", "94", "--gpus", "94"], "--pp 94 leaves a pipeline stage without layers"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(args, message, capsys):
+    assert main(["plan", released(), *args]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("kimi-hf: error: ") and message in err and "\n" not in err, err
+
+
+def test_a_config_of_another_architecture_is_refused(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert main(["plan", str(tmp_path)]) == 1
+    assert "model_type 'llama' is not one this planner models" in capsys.readouterr().err

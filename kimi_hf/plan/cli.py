@@ -58,7 +58,11 @@ def parser(prog: str = "kimi-hf plan") -> ArgumentParser:
 
 
 def _gb(n: int) -> str:
-    return f"{n / 1e9:,.1f} GB"
+    """Bytes in GB (10^9), or MB / KB below them."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 1e3:,.1f} KB"
 
 
 def table(plan, suggested: bool = False) -> str:
@@ -72,7 +76,12 @@ def table(plan, suggested: bool = False) -> str:
         + (", checkpointing" if plan.checkpointing else "")
         + (f", {plan.optimizer}" if plan.task != "infer" else "")
     )
-    rows = [f"| {k} | {_gb(v)} |" for k, v in plan.per_rank.items() if k != "total"]
+    rows = []
+    for key, value in plan.per_rank.items():
+        if key != "total":
+            rows.append(f"| {key} | {_gb(value)} |")
+        if key == "activations":  # where they are held: the layers by mixer, the rest, the backward's transient
+            rows += [f"| - {part.replace('_', ' ')} | {_gb(v)} |" for part, v in plan.activation_parts.items()]
     verdict = "fits" if plan.fits else "does NOT fit"
     lines = [
         head,
@@ -84,8 +93,7 @@ def table(plan, suggested: bool = False) -> str:
         "",
         f"{verdict}: {_gb(plan.per_rank['total'])} of {_gb(plan.usable)} usable a device "
         f"({_gb(plan.gpu_memory)} less the headroom)",
-        f"decode cache: {plan.cache_per_token / 1e3:,.1f} KB a token + {plan.cache_per_sequence / 1e6:,.1f} MB a "
-        "sequence (one rank)",
+        f"decode cache: {_gb(plan.cache_per_token)} a token + {_gb(plan.cache_per_sequence)} a sequence (one rank)",
     ]
     if plan.task != "infer":
         lines.append(f"trainable parameters: {plan.trainable:,}")

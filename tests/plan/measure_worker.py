@@ -105,10 +105,8 @@ def main(folder, task, seq_len, micro_batch, checkpointing, experts_format, out)
         result["optimizer"] = local_bytes(
             v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v) and v.dim()
         )
-    if rank == 0 or distributed:
-        path = out if not distributed else f"{out}.{rank}"
-        with open(path, "w") as f:
-            json.dump(result, f)
+    with open(out if not distributed else f"{out}.{rank}", "w") as f:  # every rank its own file
+        json.dump(result, f)
     if distributed:
         dist.barrier()
         dist.destroy_process_group()

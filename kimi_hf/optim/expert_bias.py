@@ -42,17 +42,18 @@ def check_update_rate(update_rate) -> None:
 
 
 @torch.no_grad()
-def update_expert_bias(model: nn.Module, update_rate: float = 1e-3) -> dict:
-    """One balancing step over every router of `model` (counts summed across processes when torch.distributed
-    is initialised), then clears the counts. Returns {"expert_load_imbalance": the largest max-load / mean-load
+def update_expert_bias(model: nn.Module, update_rate: float = 1e-3, group=None) -> dict:
+    """One balancing step over every router of `model` (counts summed across the processes of `group`, the
+    world by default, when torch.distributed is initialised; under pipeline parallelism the ranks of one stage),
+    then clears the counts. Returns {"expert_load_imbalance": the largest max-load / mean-load
     over the routers that saw tokens, "routers": how many were updated}."""
     check_update_rate(update_rate)
     routers = [r for r in expert_routers(model) if r.track_load]
     if not routers:
         return {"expert_load_imbalance": None, "routers": 0}
     loads = torch.stack([r.expert_load for r in routers])  # [R, E] (one all-reduce for all of them)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(loads)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(loads, group=group)
     imbalance, updated = None, 0
     for router, load in zip(routers, loads):
         if load.sum() > 0:

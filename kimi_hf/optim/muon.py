@@ -76,6 +76,10 @@ class MuonClip(torch.optim.Optimizer):
             split by role. `Trainer(optimizer_cls_and_kwargs=(MuonClip, {"model": model, ...}))`
             hands the model itself over as `params`.
         qk_clip_tau: QK-Clip threshold (needs the model; None: no clipping).
+        process_group: the ranks that hold the same parameters (None: the whole world), over which replicated
+            matrices' Newton-Schulz work is shared and QK-Clip's maxima are reduced; under pipeline parallelism a
+            stage's own data-parallel (and tensor-parallel) ranks (`kimi_hf.distributed.ParallelMesh.replica_group`).
+            FSDP2's DTensor parameters use their own mesh.
     """
 
     def __init__(
@@ -92,6 +96,7 @@ class MuonClip(torch.optim.Optimizer):
         ns_dtype: torch.dtype | None = None,
         model: nn.Module | None = None,
         qk_clip_tau: float | None = None,
+        process_group=None,
     ):
         for name, value, ok in (
             ("lr", lr, lr >= 0),
@@ -128,13 +133,13 @@ class MuonClip(torch.optim.Optimizer):
                             f"param_groups[{i}] has use_muon=True but holds a tensor of shape "
                             f"{tuple(p.shape)}: Muon takes matrices [A, B] or batches [E, A, B]"
                         )
-        self.qk_clip, self.ns_matrices = None, 0
+        self.qk_clip, self.ns_matrices, self.process_group = None, 0, process_group
         if qk_clip_tau is not None:
             if model is None:
                 raise ValueError("qk_clip_tau needs the model (MuonClip(model, ...) or MuonClip.from_model)")
             from .qk_clip import QKClip
 
-            self.qk_clip = QKClip(model, tau=qk_clip_tau)
+            self.qk_clip = QKClip(model, tau=qk_clip_tau, group=process_group)
 
     @classmethod
     def from_model(
@@ -149,6 +154,7 @@ class MuonClip(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("qk_clip", None)
         self.__dict__.setdefault("ns_matrices", 0)
+        self.__dict__.setdefault("process_group", None)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -192,12 +198,13 @@ class MuonClip(torch.optim.Optimizer):
         if is_dtensor:
             self.ns_matrices += len(updates)
             return [_fsdp_orthogonalize(p, u, ns) for p, u in zip(params, updates)]
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        group = self.process_group
+        world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world == 1:
             self.ns_matrices += len(updates)
             return [ns(u) for u in updates]
         # DDP: matrices dealt round-robin; one all-reduce of a flat buffer carries every result
-        rank = dist.get_rank()
+        rank = dist.get_rank(group)
         flat = torch.zeros(sum(u.numel() for u in updates), dtype=torch.float32, device=updates[0].device)
         views, offset = [], 0
         for i, u in enumerate(updates):
@@ -207,7 +214,7 @@ class MuonClip(torch.optim.Optimizer):
             views.append(view)
             offset += u.numel()
         self.ns_matrices += len(range(rank, len(updates), world))
-        dist.all_reduce(flat)  # each element has exactly one non-zero contribution: exact
+        dist.all_reduce(flat, group=group)  # each element has exactly one non-zero contribution: exact
         return views
 
     # ---- AdamW -----------------------------------------------------------------------------

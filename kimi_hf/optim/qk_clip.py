@@ -45,10 +45,12 @@ _WRAPPER = "kimi_hf_qk_clip"
 class QKClip:
     """Records per-head max logits of the model's attention modules and clips after each step."""
 
-    def __init__(self, model: nn.Module, tau: float = 100.0):
+    def __init__(self, model: nn.Module, tau: float = 100.0, group=None):
+        """group: the process group whose ranks hold the same attention modules (None: the world), over which
+        the maxima are reduced."""
         if not tau > 0:
             raise ValueError(f"qk_clip_tau must be > 0, got {tau!r}")
-        self.tau = float(tau)
+        self.tau, self.group = float(tau), group
         _adopt_attention(model)
         self.modules = [m for m in model.modules() if callable(getattr(m, "apply_qk_clip", None))]
         for m in self.modules:
@@ -81,8 +83,8 @@ class QKClip:
                 start = sum(sizes[:i]) + _local_head_offset(m, vals.numel(), sizes[i])
                 flat[start : start + vals.numel()] = vals
         self._maxima.clear()
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(flat, op=dist.ReduceOp.MAX, group=self.group)
         if torch.isinf(flat).all():  # nothing recorded (no training forward since the last step)
             return 0
         self.last_max_logit = flat.max().item()

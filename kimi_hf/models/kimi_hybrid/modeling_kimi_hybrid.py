@@ -42,6 +42,7 @@ from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, check_parallel_layout
+from .pipeline_kimi_hybrid import prune_to_active_stage
 
 
 # from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,
@@ -788,6 +789,13 @@ def push_depth_output(
     return partial + output, blocks
 
 
+def depth_blocks_after(sublayers: int, block_size: int) -> int:
+    """How many completed blocks `push_depth_output` holds after `sublayers` sublayers (the embedding counts: 1
+    before the first): a new one each time a sublayer after the first starts a block. A pipeline stage's
+    boundary tensor [n, B, T, d] has this n."""
+    return 1 + max(sublayers - 1, 0) // block_size
+
+
 class KimiHybridDecoderLayer(GradientCheckpointingLayer):
     """Pre-norm block: token mixer (KDA or MLA), then SwiGLU or MoE. With Attention Residuals the
     layer maps the depth sources [n, B, T, d] to the new sources instead of a residual stream."""
@@ -884,6 +892,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         """transformers' parallelism at load time (docs/parallelism.md), after two checks made on every rank at once:
         pipeline parallelism is refused with Attention Residuals (in the forward, a later stage would wait for a
         tensor that never comes), and tensor parallelism by head needs heads divisible by tp_size."""
+        prune_to_active_stage(model)  # kimi_hf.distributed.load_pipeline_stage: before any tensor is read
         if distributed_config is not None:
             check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)
@@ -932,6 +941,68 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    def positions(self, inputs_embeds, position_ids=None, attention_mask=None, past_key_values=None):
+        """(position_ids [1 or B, T], packed documents or None) for inputs_embeds [B, T, d]. Packed documents
+        (position_ids restart, no padding mask, nothing cached yet): KDA runs them as varlen sequences and the MLA
+        mask is built per document. Only given position_ids can restart (the check reads their values: not for our
+        own positions, which also keeps export traceable)."""
+        B, T = inputs_embeds.shape[:2]
+        past_seen = _cached_length(past_key_values)
+        if position_ids is None:
+            return (torch.arange(T, device=inputs_embeds.device) + past_seen).unsqueeze(0), None
+        if attention_mask is None and past_seen == 0:
+            return position_ids, PackedSequences.from_position_ids(position_ids, B)
+        return position_ids, None
+
+    def layer_masks(self, inputs_embeds, attention_mask, position_ids, past_key_values=None, packed=None) -> dict:
+        """{layer type: mask} for the decoder's layers: the causal (per-document) mask of MLA layers, the padding
+        mask of KDA layers (None where nothing needs masking)."""
+        if isinstance(attention_mask, dict):  # {layer_type: mask} built by generate() for compileable caches
+            return attention_mask
+        # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
+        mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
+        present = set(self.config.layer_types)  # the causal mask needs attention layers in the cache
+        masks = {}
+        if "full_attention" in present:
+            masks["full_attention"] = create_causal_mask(*mask_args, position_ids=position_ids)
+        if "linear_attention" in present:
+            masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
+        return masks
+
+    def start_blocks(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
+        """The completed depth blocks before the first layer: the embedding as block 0 [1, B, T, d] (None without
+        Attention Residuals)."""
+        return None if self.config.resolved_attn_residual_block_size() is None else inputs_embeds[None]
+
+    def run_layers(
+        self,
+        hidden_states: torch.Tensor,
+        blocks: torch.Tensor | None,
+        layer_indices,
+        masks: dict,
+        position_ids: torch.Tensor,
+        past_key_values: Cache | None = None,
+        packed: PackedSequences | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Runs the layers `layer_indices` (in order): hidden_states [B, T, d] (with Attention Residuals the partial
+        sum) and blocks ([n, B, T, d] completed depth blocks, or None) -> the same pair after them. The whole
+        decoder runs range(num_layers); a pipeline stage its own range (kimi_hf.distributed.pipeline). The mask is
+        taken by the config's layer type."""
+        layer_types = self.config.layer_types
+        for i in layer_indices:
+            out = self.layers[i](
+                hidden_states,
+                blocks,
+                attention_mask=masks[layer_types[i]],
+                position_ids=position_ids,
+                past_key_values=past_key_values,
+                packed=packed,
+                **kwargs,
+            )
+            hidden_states, blocks = out if blocks is not None else (out, None)
+        return hidden_states, blocks
+
     @merge_with_config_defaults
     @capture_outputs
     def forward(
@@ -950,63 +1021,29 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        B, T = inputs_embeds.shape[:2]
         if use_cache and past_key_values is None:
             past_key_values = KimiHybridCache(config=self.config)
-        past_seen = _cached_length(past_key_values)
-        # Packed documents (position_ids restart, no padding mask, nothing cached yet): KDA runs them
-        # as varlen sequences, and the MLA mask is built per document. Only given position_ids can restart
-        # (the check reads their values: not for our own positions, which also keeps export traceable).
-        packed = None
-        if position_ids is None:
-            position_ids = (torch.arange(T, device=inputs_embeds.device) + past_seen).unsqueeze(0)
-        elif attention_mask is None and past_seen == 0:
-            packed = PackedSequences.from_position_ids(position_ids, B)
-        if isinstance(attention_mask, dict):  # {layer_type: mask} built by generate() for compileable caches
-            masks = attention_mask
-        else:
-            # positional: the cache argument is `past_key_values` before transformers 5.24, `cache` after
-            mask_args = (self.config, inputs_embeds, attention_mask, None if packed is not None else past_key_values)
-            present = set(self.config.layer_types)  # the causal mask needs attention layers in the cache
-            masks = {}
-            if "full_attention" in present:
-                masks["full_attention"] = create_causal_mask(*mask_args, position_ids=position_ids)
-            if "linear_attention" in present:
-                masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
-
-        hidden_states = inputs_embeds
-        # the mask by the config's layer type: under pipeline parallelism another stage's layers are placeholders
-        layer_types = self.config.layer_types
-        if self.config.resolved_attn_residual_block_size() is None:
-            for layer, layer_type in zip(self.layers, layer_types):
-                hidden_states = layer(
-                    hidden_states,
-                    None,
-                    attention_mask=masks[layer_type],
-                    position_ids=position_ids,
-                    past_key_values=past_key_values,
-                    packed=packed,
-                    **kwargs,
-                )
-        else:  # depth sources: the embedding as block 0; the partial sum starts empty
+        position_ids, packed = self.positions(inputs_embeds, position_ids, attention_mask, past_key_values)
+        masks = self.layer_masks(inputs_embeds, attention_mask, position_ids, past_key_values, packed)
+        if self.config.resolved_attn_residual_block_size() is not None:
             # (a layer wrapped by torch's checkpoint_wrapper, as accelerate's fsdp_activation_checkpointing does, is
-            # still one; pipeline parallelism puts placeholders in place of another stage's layers)
+            # still one; transformers' naive pipeline puts placeholders in place of another stage's layers)
             if any(
                 not isinstance(getattr(layer, "_checkpoint_wrapped_module", layer), KimiHybridDecoderLayer)
                 for layer in self.layers
             ):
                 raise NotImplementedError(ATTN_RES_PP_ERROR)
-            blocks = inputs_embeds[None]
-            for layer, layer_type in zip(self.layers, layer_types):
-                hidden_states, blocks = layer(
-                    hidden_states,
-                    blocks,
-                    attention_mask=masks[layer_type],
-                    position_ids=position_ids,
-                    past_key_values=past_key_values,
-                    packed=packed,
-                    **kwargs,
-                )
+        hidden_states, blocks = self.run_layers(
+            inputs_embeds,
+            self.start_blocks(inputs_embeds),
+            range(len(self.layers)),
+            masks,
+            position_ids,
+            past_key_values,
+            packed,
+            **kwargs,
+        )
+        if blocks is not None:
             hidden_states = self.final_res(blocks, hidden_states)
         return MoeModelOutputWithPast(
             last_hidden_state=self.norm(hidden_states), **_cache_field(MoeModelOutputWithPast, past_key_values)

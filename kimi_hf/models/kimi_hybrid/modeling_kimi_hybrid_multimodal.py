@@ -24,6 +24,7 @@ from .configuration_kimi_hybrid import KimiHybridConfig
 from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 from .parallel_kimi_hybrid import check_parallel_layout
+from .pipeline_kimi_hybrid import prune_to_active_stage
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -61,6 +62,7 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         """transformers' parallelism at load time: the decoder takes the text model's plan under
         model.language_model. (the vision tower and projector replicated), with the text model's checks
         (check_parallel_layout); pipeline parallelism is refused by name."""
+        prune_to_active_stage(model)  # kimi_hf.distributed.load_pipeline_stage: before any tensor is read
         if distributed_config is not None:
             check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config, multimodal=True)
         return super().maybe_distribute_model(model, distributed_config, mesh_manager)

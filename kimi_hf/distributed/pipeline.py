@@ -33,7 +33,9 @@ SCHEDULES = ("gpipe", "1f1b")
 def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, **kwargs) -> nn.Module:
     """`model_class.from_pretrained(path, **kwargs)` holding only `stage`'s part: the model is built on the meta
     device, pruned to the stage (`prune_to_stage`) and then loaded, so a rank reads and allocates its stage's
-    tensors only (the released K3 layout and its MXFP4 experts as in a whole load)."""
+    tensors only (the released K3 layout and its MXFP4 experts as in a whole load). `output_loading_info=True`
+    returns (model, loading info) as from_pretrained does: the other stages' tensors are neither missing nor
+    unexpected."""
     from transformers.distributed import DistributedConfig
 
     if "distributed_config" in kwargs or "tp_plan" in kwargs:
@@ -44,10 +46,11 @@ def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, **kwargs) -
     with loading_stage(stage):
         # an all-1 DistributedConfig builds no mesh but makes from_pretrained call maybe_distribute_model, where
         # the models prune themselves to the active stage before any tensor is read
-        model = model_class.from_pretrained(path, distributed_config=DistributedConfig(), **kwargs)
+        loaded = model_class.from_pretrained(path, distributed_config=DistributedConfig(), **kwargs)
+    model = loaded[0] if kwargs.get("output_loading_info") else loaded
     if getattr(_top(model), "_kimi_pipeline_stage", None) != stage:
         raise TypeError(f"{type(model).__name__} is not a kimi_hf hybrid model: it cannot load one pipeline stage")
-    return model
+    return loaded
 
 
 class CausalLMLoss:

@@ -1,0 +1,160 @@
+"""Pipeline parallelism (kimi_hf.distributed.pipeline) on gloo ranks against one process: tiny Kimi K3 (Block
+Attention Residuals, the stage boundary inside a block and on a block edge) and Kimi Linear (with and without
+AttnRes), GPipe and 1F1B, MuonClip and AdamW, PP 2 and PP 2 x FSDP2 2; a stage loaded from a folder in the
+released K3 layout holds exactly its part."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kimi_hf.distributed import PipelineStageInfo, build_schedule, load_pipeline_stage, stage_layer_ranges
+from kimi_hf.distributed.pipeline import KimiPipelineStageModule, prune_to_stage, stage_io_meta
+
+from . import pp_worker
+
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, args: list[str], nproc: int) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
+    cmd += ["--master_port", str(free_port()), str(script), *args]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    return out.stdout
+
+
+def _merged(out_dir: Path, case) -> tuple[dict, list]:
+    parts = [torch.load(f) for f in sorted(glob.glob(str(out_dir / f"{case.name}.stage*.pt")))]
+    assert len(parts) == 2, case.name
+    merged = {"grads": {}, "weights": {}}
+    for part in parts:
+        for key in merged:
+            assert not set(merged[key]) & set(part[key]), "two stages hold the same parameter"
+            merged[key].update(part[key])
+    return merged, parts
+
+
+def _check(case, out_dir: Path, atol: float = 1e-5) -> None:
+    ref = pp_worker.reference(case)
+    merged, parts = _merged(out_dir, case)
+    last = max(parts, key=lambda p: p["stage"])
+    assert last["losses"] == pytest.approx(ref["losses"], abs=1e-5, rel=1e-5), case.name
+    assert set(merged["weights"]) == set(ref["weights"]), case.name  # every parameter on exactly one stage
+    assert set(merged["grads"]) == set(ref["grads"]), case.name
+    for name, g in ref["grads"].items():
+        torch.testing.assert_close(merged["grads"][name], g, atol=atol, rtol=1e-4, msg=f"{case.name}: grad {name}")
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(merged["weights"][name], w, atol=atol, rtol=1e-4, msg=f"{case.name}: {name}")
+    if ref["clipped"] is not None:  # QK-Clip ran on the stage holding the MLA layers, as in one process
+        assert ref["clipped"] > 0
+        assert sum(p["clipped"] for p in parts) == ref["clipped"], case.name
+
+
+def test_pp2_matches_one_process(tmp_path):
+    """PP 2 (one sequence a micro-batch, 4 of them): the cases of pp_worker.CASES; losses, every gradient of the
+    first step and the weights after two steps within 1e-5 (fp32) of one process training on the whole batch."""
+    torchrun(ROOT / "tests" / "distributed" / "pp_worker.py", [str(tmp_path)], nproc=2)
+    for case in pp_worker.CASES:
+        _check(case, tmp_path)
+
+
+def test_pp2_x_fsdp2_matches_one_process(tmp_path):
+    """4 ranks: 2 stages, each fully sharded (FSDP2) over 2 data ranks that see half of the batch."""
+    torchrun(ROOT / "tests" / "distributed" / "pp_worker.py", [str(tmp_path), "--fsdp", "2"], nproc=4)
+    for case in pp_worker.FSDP_CASES:
+        _check(case, tmp_path)
+
+
+# ---- one process: the split, the boundary shapes, bad input ------------------------------------------------------
+def test_stage_layer_ranges():
+    assert stage_layer_ranges(5, 2) == [range(0, 3), range(3, 5)]
+    assert stage_layer_ranges(4, 2, [1, 3]) == [range(0, 1), range(1, 4)]
+    with pytest.raises(ValueError, match="pp 5 leaves a pipeline stage without layers"):
+        stage_layer_ranges(4, 5)
+    with pytest.raises(ValueError, match="layers_per_stage"):
+        stage_layer_ranges(4, 2, [4, 0])
+    with pytest.raises(ValueError, match="pipeline stage index 2"):
+        PipelineStageInfo.split(4, 2, 2)
+
+
+@pytest.mark.parametrize("arch", ["k3", "hybrid", "hybrid_block"])
+def test_stage_io_meta_is_what_the_stages_pass(arch):
+    """The shapes given to torch's PipelineStage (so that it runs no inference forward) are those the stages'
+    forwards produce, at every boundary of a 4-stage split; chaining the stages gives one process's logits."""
+    model = pp_worker.build(arch).eval()
+    x = pp_worker.batch(0)[:2]
+    with torch.no_grad():
+        expected = model(input_ids=x, use_cache=False).logits
+        inputs = (x,)
+        for index in range(4):
+            stage = PipelineStageInfo.split(4, index, 4)
+            meta_in, meta_out = stage_io_meta(model, stage, *x.shape)
+            assert [(t.shape, t.dtype) for t in meta_in] == [(t.shape, t.dtype) for t in inputs]
+            out = KimiPipelineStageModule(model, stage)(*inputs)
+            inputs = out if isinstance(out, tuple) else (out,)
+            assert [(t.shape, t.dtype) for t in meta_out] == [(t.shape, t.dtype) for t in inputs]
+    torch.testing.assert_close(inputs[0], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_pipeline_inputs():
+    from kimi_hf import KimiHybridForCausalLM
+    from tests.models.kimi_hybrid.helpers import tiny_config
+
+    tied = KimiHybridForCausalLM(tiny_config(tie_word_embeddings=True))
+    with pytest.raises(ValueError, match="tie_word_embeddings"):
+        prune_to_stage(tied, PipelineStageInfo.split(4, 0, 2))
+    model = pp_worker.build("hybrid")
+    stage = PipelineStageInfo.split(4, 0, 2)
+    with pytest.raises(ValueError, match="pipeline split is for 6 layers"):
+        prune_to_stage(model, PipelineStageInfo.split(6, 0, 2))
+    with pytest.raises(ValueError, match="1F1B schedule needs at least as many micro-batches as stages"):
+        build_schedule(model, stage, None, 1, None, "1f1b", micro_batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        build_schedule(model, stage, None, 2, None, "zb", micro_batch=1, seq_len=8)
+
+
+def test_load_pipeline_stage_of_a_released_k3_folder(tmp_path):
+    """A stage loaded from the released layout (MXFP4 experts kept resident) holds its layers (the same tensors as
+    a whole load) and placeholders for the rest; the other stages' checkpoint tensors are not reported."""
+    from transformers import AutoModelForImageTextToText
+
+    from tests.models.kimi_k3.release_format import tiny_k3_config, write_k3_checkpoint
+
+    config = tiny_k3_config()
+    write_k3_checkpoint(tmp_path, config, seed=0, mxfp4=True, shards=3, dtype="float32")
+    whole = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
+    layers = config["text_config"]["num_hidden_layers"]
+    full = dict(whole.named_parameters())
+    for index in range(2):
+        stage = PipelineStageInfo.split(layers, index, 2)
+        part, info = load_pipeline_stage(
+            AutoModelForImageTextToText, tmp_path, stage, dtype=torch.float32, output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        assert part.experts_format == "mxfp4"
+        names = dict(part.named_parameters())
+        prefix = "model.language_model.layers."
+        held = {int(n[len(prefix) :].split(".")[0]) for n in names if n.startswith(prefix)}
+        assert held == set(stage.layers)
+        assert ("lm_head.weight" in names) == stage.is_last
+        assert ("model.language_model.embed_tokens.weight" in names) == stage.is_first
+        assert any(n.startswith("model.vision_tower.") for n in names) == stage.is_first
+        for name, p in names.items():
+            torch.testing.assert_close(p, full[name], atol=0, rtol=0, msg=name)

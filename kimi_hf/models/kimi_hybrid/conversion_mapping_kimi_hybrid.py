@@ -118,15 +118,27 @@ class LoadOnlyConverter(WeightConverter):
 
 
 class Flatten(ConversionOps):
-    """One tensor reshaped to 1-D: Moonshot's A_log [1, 1, H, 1] -> ours [H] (a [H] one is unchanged).
-    A wrong head count then shows as a size mismatch of the parameter, naming it."""
+    """One tensor reshaped to 1-D: Moonshot's A_log [1, 1, H, 1] -> ours [H] (a [H] one is unchanged), K3's
+    Attention Residual projections [1, d] -> the queries [d]. A wrong size then shows as a size mismatch of the
+    parameter, naming it. Under sharding (tensor parallelism, FSDP2 at load) the loader has cut the stored tensor
+    on its own size-1 first dim (all on rank 0): the slices are gathered back first and this rank's part cut."""
 
     @torch.no_grad()
-    def convert(self, input_dict, source_patterns, target_patterns, **kwargs):
+    def convert(self, input_dict, source_patterns, target_patterns, full_layer_name=None, model=None, **kwargs):
         if len(input_dict) != 1:
             raise ValueError(f"Flatten takes one tensor, got {list(input_dict)}")
         tensors = next(iter(input_dict.values()))
         tensor = tensors[0] if isinstance(tensors, list) else tensors
+        param = _target_param(model, full_layer_name)
+        sharded = _placements(param)
+        if sharded is not None:
+            whole = _gather_loaded(tensor, param.shape, *sharded)
+            if whole is None:  # stored in the parameter's shape: the loader's cut is the parameter's
+                return {target_patterns[0]: tensor}
+            whole = whole.reshape(-1)
+            if whole.numel() == param.numel():
+                return {target_patterns[0]: _local_part(whole, param, *sharded)}
+            return {target_patterns[0]: whole}  # a size mismatch, reported by name
         return {target_patterns[0]: tensor.reshape(-1)}
 
     @property

@@ -12,8 +12,10 @@ logit exceeded tau are rescaled after every step (see qk_clip.py).
 Distributed: under DDP (replicated parameters, gradients already all-reduced) every rank keeps the
 momentum of every matrix but orthogonalises only its own share (matrices dealt round-robin), and
 one all-reduce of the flat update buffer shares the results: identical to a single-process step.
-Under FSDP2 (DTensor parameters sharded on dim 0) each matrix's momentum-updated gradient is
-all-gathered once, orthogonalised whole, and each rank keeps its rows.
+Under FSDP2 or tensor parallelism (DTensor parameters) each matrix's momentum-updated gradient is
+all-gathered once, orthogonalised whole, and each rank keeps its part; batches of expert matrices split by
+expert (FSDP2's dim 0, expert parallelism) are orthogonalised where they live. States of DTensor parameters
+are DTensors with the parameter's placements (torch.distributed.checkpoint reshards them).
 """
 
 from __future__ import annotations
@@ -62,6 +64,16 @@ def muon_scale(shape) -> float:
 
 def _local(t):
     return t.to_local() if DTensor is not None and isinstance(t, DTensor) else t
+
+
+def _local_grad(p):
+    """p's gradient, the local part laid out as p's: a DTensor gradient placed otherwise than its parameter (a
+    tensor-parallel embedding's Replicate gradient of a Shard(0) weight) is redistributed first (for Replicate to
+    Shard a local slice)."""
+    g = p.grad
+    if DTensor is not None and isinstance(g, DTensor) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return _local(g)
 
 
 class MuonClip(torch.optim.Optimizer):
@@ -177,11 +189,11 @@ class MuonClip(torch.optim.Optimizer):
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         updates = []
         for p in params:
-            g = _local(p.grad).float()
+            g = _local_grad(p).float()
             state = self.state[p]
             if "momentum_buffer" not in state:  # fp32 whatever the parameter dtype
-                state["momentum_buffer"] = torch.zeros_like(g, dtype=torch.float32)
-            buf = state["momentum_buffer"]
+                state["momentum_buffer"] = _state_like(p, torch.zeros_like(g, dtype=torch.float32))
+            buf = _local(state["momentum_buffer"])
             buf.lerp_(g, 1 - mu)
             updates.append(g.lerp(buf, mu) if group["nesterov"] else buf)  # Newton-Schulz never writes its input
         ortho = self._orthogonalize(params, updates, group["ns_steps"], group["ns_dtype"])
@@ -197,7 +209,7 @@ class MuonClip(torch.optim.Optimizer):
         is_dtensor = DTensor is not None and isinstance(params[0], DTensor)
         if is_dtensor:
             self.ns_matrices += len(updates)
-            return [_fsdp_orthogonalize(p, u, ns) for p, u in zip(params, updates)]
+            return [_dtensor_orthogonalize(p, u, ns) for p, u in zip(params, updates)]
         group = self.process_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world == 1:
@@ -229,13 +241,13 @@ class MuonClip(torch.optim.Optimizer):
             state = self.state[p]
             if "exp_avg" not in state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
-                state["exp_avg"] = torch.zeros_like(_local(p), dtype=torch.float32)
-                state["exp_avg_sq"] = torch.zeros_like(_local(p), dtype=torch.float32)
+                state["exp_avg"] = _state_like(p, torch.zeros_like(_local(p), dtype=torch.float32))
+                state["exp_avg_sq"] = _state_like(p, torch.zeros_like(_local(p), dtype=torch.float32))
             state["step"] += 1
             ps.append(_local(p))
-            gs.append(_local(p.grad).float())
-            ms.append(state["exp_avg"])
-            vs.append(state["exp_avg_sq"])
+            gs.append(_local_grad(p).float())
+            ms.append(_local(state["exp_avg"]))
+            vs.append(_local(state["exp_avg_sq"]))
         step = int(self.state[params[0]]["step"].item())
         bc1, bc2 = 1 - beta1**step, 1 - beta2**step
         torch._foreach_lerp_(ms, gs, 1 - beta1)
@@ -254,19 +266,30 @@ class MuonClip(torch.optim.Optimizer):
                 p.add_(u.to(p.dtype), alpha=-lr / bc1)
 
 
-def _fsdp_orthogonalize(p, update, ns):
-    """FSDP2: gather the whole momentum-updated gradient (one all-gather), orthogonalise it, keep
-    this rank's rows (DTensor Shard(0) uses torch.chunk's split)."""
-    from torch.distributed.tensor import Shard
+def _state_like(p, local: torch.Tensor) -> torch.Tensor:
+    """An optimizer state for p from its local part: a DTensor with p's mesh and placements when p is one (so
+    that torch.distributed.checkpoint saves every rank's shard and reshards it on load), else `local`."""
+    if DTensor is None or not isinstance(p, DTensor):
+        return local
+    return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
-    placements = p.placements
-    if any(not isinstance(pl, Shard) or pl.dim != 0 for pl in placements if not pl.is_replicate()):
-        raise ValueError(f"MuonClip supports DTensor parameters sharded on dim 0 (FSDP2), got {placements}")
-    full = DTensor.from_local(update, p.device_mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
-    ortho = ns(full)
-    mesh = p.device_mesh
-    rank = mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_coordinate()[0]
-    return ortho.chunk(mesh.size(0), dim=0)[rank]
+
+def _dtensor_orthogonalize(p, update, ns):
+    """A DTensor parameter's update (its local part) orthogonalised as the whole matrix would be. A batch of
+    expert matrices [E, A, B] split only on the expert dim (FSDP2's dim-0 shards, expert parallelism) holds whole
+    experts locally: each is orthogonalised where it lives, no communication. Anything else (FSDP2's rows of a
+    matrix, tensor parallelism's rows or columns, a mesh of several dims) is gathered whole (one all-gather),
+    orthogonalised, and this rank's part kept as p's placements cut it."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    placements = tuple(p.placements)
+    if p.ndim == 3 and all(pl.is_replicate() or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
+        return ns(update)
+    full = DTensor.from_local(update, p.device_mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
+    ortho = ns(full.full_tensor())
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, placements)
+    return ortho[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
 # ---- splitting a model's parameters by role -----------------------------------------------------

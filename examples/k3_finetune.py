@@ -1,0 +1,381 @@
+"""Fine-tune Kimi K3 (or Kimi Linear) on any layout of ranks: LoRA over the resident MXFP4 experts or full
+fine-tuning, MuonClip or AdamW, pipeline stages (Attention Residuals across the boundary), FSDP2, tensor / expert
+parallelism, sharded checkpoints to resume from.
+
+    python examples/k3_finetune.py --model DIR --lora --steps 4 --data random                  # one process
+    torchrun --nproc-per-node 4 examples/k3_finetune.py --model DIR --lora --pp 2 --fsdp 2     # 4 ranks
+    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT examples/k3_finetune.py ...
+    accelerate launch --config_file examples/accelerate/cpu_k3_finetune.yaml examples/k3_finetune.py ...
+
+Rank 0 prints one JSON line per optimizer step, {"step": i, "loss": x}, and nothing else on stdout (errors: one
+line on stderr, exit status 2). A step trains on the same global batch in every layout, --micro-batch sequences of
+--seq-len tokens times --micro-batches (default 4), split over the data ranks (dp_replicate x fsdp = world /
+(pp x tp)), so the same seed and data give the same losses on any layout (to rounding). --data random draws seeded
+token ids below the config's vocab_size (a folder without a tokenizer); --data stdlib tokenizes the Python standard
+library's sources with the folder's tokenizer.
+
+--checkpoint-dir D saves a sharded checkpoint (torch.distributed.checkpoint) at the end (and every --save-every
+steps): model (LoRA: the adapters), optimizer states, scheduler, step. --resume continues from D's latest step,
+also on another layout (DCP reshards), with the same losses as an uninterrupted run. See docs/parallelism.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", required=True, help="a Kimi K3 / Kimi Linear model folder (config.json + weights)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--lora", action="store_true", help="LoRA adapters, the base frozen (the default)")
+    mode.add_argument("--full", action="store_true", help="full fine-tuning (experts loaded dense)")
+    p.add_argument("--optimizer", choices=("muonclip", "adamw"), default="muonclip")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--micro-batch", type=int, default=1, help="sequences a micro-batch")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro-batches a step (over all data ranks)")
+    p.add_argument("--data", choices=("stdlib", "random"), default="stdlib")
+    for name in ("tp", "ep", "pp", "fsdp", "cp"):
+        p.add_argument(f"--{name}", type=int, default=1)
+    p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b", help="the pipeline schedule")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lora-rank", type=int, default=8)
+    p.add_argument("--qk-clip-tau", type=float, default=100.0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--checkpoint-dir")
+    p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
+    p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest step")
+    p.add_argument("--export", metavar="DIR", help="not supported yet (streaming export of the trained model)")
+    args = p.parse_args(argv)
+    args.lora = not args.full
+    for name in ("steps", "seq_len", "micro_batch", "micro_batches", "lora_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.resume and not args.checkpoint_dir:
+        p.error("--resume needs --checkpoint-dir")
+    if args.export:
+        p.error("--export: the streaming export from the sharded checkpoint is not in this version")
+    return args
+
+
+def main(argv=None) -> list[float]:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, TypeError, OSError) as e:
+        print(f"k3_finetune: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+# ---- set-up ------------------------------------------------------------------------------------------------------
+def init_distributed():
+    """(rank, world size, device): torchrun / accelerate launch set WORLD_SIZE; one process otherwise."""
+    import torch
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else None
+    if world > 1 and not dist.is_initialized():
+        if device is not None:
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if device is not None else "gloo")
+    return (dist.get_rank() if world > 1 else 0), world, device or torch.device("cpu")
+
+
+def read_config(folder: str):
+    from transformers import AutoConfig
+
+    import kimi_hf  # noqa: F401  (registers the Kimi classes)
+
+    if not os.path.isfile(os.path.join(folder, "config.json")):
+        raise ValueError(f"--model {folder}: no config.json")
+    config = AutoConfig.from_pretrained(folder)
+    if not config.model_type.startswith(("kimi_k3", "kimi_hybrid")):
+        raise ValueError(f"--model {folder}: model_type {config.model_type!r} is not Kimi K3 / Kimi Linear")
+    return config
+
+
+def model_class(config):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+
+
+def load_kwargs(args, config) -> dict:
+    import torch
+
+    kwargs = {"dtype": getattr(torch, args.dtype)}
+    if config.model_type.startswith("kimi_k3"):
+        # LoRA keeps the released MXFP4 experts resident (frozen bytes); full fine-tuning trains them dense
+        kwargs["experts_format"] = "dense" if args.full else "auto"
+    return kwargs
+
+
+def lora_targets(config) -> list[str]:
+    from kimi_hf import LORA_TARGET_MODULES
+    from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+
+    return K3_LORA_TARGET_MODULES if config.model_type.startswith("kimi_k3") else LORA_TARGET_MODULES
+
+
+def with_lora(model, args, config):
+    from peft import LoraConfig, get_peft_model
+
+    from kimi_hf.distributed.lora import init_lora_by_name
+
+    targets = lora_targets(config)
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, lora_dropout=0.0, target_modules=targets)
+    model = get_peft_model(model, lora)
+    init_lora_by_name(model, args.seed)  # the same adapters on every layout (a stage holds only some layers)
+    return model
+
+
+# ---- data --------------------------------------------------------------------------------------------------------
+class Batches:
+    """The global batch of each step: [micro_batches * micro_batch, seq_len] token ids, the same in every layout
+    (a function of the seed and the step alone)."""
+
+    def __init__(self, args, config, folder: str):
+        self.args, self.vocab = args, config.get_text_config().vocab_size
+        self.tokens = None
+        if args.data == "stdlib":
+            self.tokens = self._stdlib_tokens(folder)
+
+    def _stdlib_tokens(self, folder: str):
+        import torch
+        from transformers import AutoTokenizer
+
+        from kimi_hf.data import stdlib_bytes
+
+        try:
+            tok = AutoTokenizer.from_pretrained(folder)
+        except (OSError, ValueError, TypeError) as e:
+            raise ValueError(f"--data stdlib needs a tokenizer in --model {folder} ({e}); use --data random") from None
+        need = self.args.steps * self.rows * (self.args.seq_len + 1)
+        ids, offset, chunk = [], 0, stdlib_bytes()
+        while len(ids) < need and offset < len(chunk):
+            ids += tok(chunk[offset : offset + 200_000].decode("utf-8", "ignore"))["input_ids"]
+            offset += 200_000
+        if len(ids) < need:
+            raise ValueError(f"--data stdlib: {len(ids)} tokens, {need} needed for --steps {self.args.steps}")
+        return torch.tensor(ids[:need], dtype=torch.long)
+
+    @property
+    def rows(self) -> int:
+        return self.args.micro_batches * self.args.micro_batch
+
+    def __call__(self, step: int):
+        import torch
+
+        T = self.args.seq_len
+        if self.tokens is None:
+            gen = torch.Generator().manual_seed(self.args.seed * 100_003 + step)
+            return torch.randint(0, self.vocab, (self.rows, T), generator=gen)
+        start = step * self.rows * (T + 1)
+        return self.tokens[start : start + self.rows * (T + 1)].view(self.rows, T + 1)[:, :T]
+
+
+# ---- the layouts -------------------------------------------------------------------------------------------------
+class Job:
+    """The model of this rank, how a step runs on it, and the groups the optimizer reduces over."""
+
+    def __init__(self, args, config, rank, world, device):
+        from kimi_hf.distributed.mesh import TrainingLayout
+        from kimi_hf.models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
+
+        self.args, self.config, self.rank, self.world, self.device = args, config, rank, world, device
+        text = config.get_text_config()
+        self.layout = TrainingLayout(tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp, cp=args.cp)
+        # MXFP4 experts are cut before they are decoded (also when --full loads them dense)
+        experts = "mxfp4" if experts_are_mxfp4(text) else "dense"
+        self.layout.check(world, text, experts)
+        self.dp = self.layout.data_ranks(world)
+        if args.micro_batches % self.dp:
+            raise ValueError(f"--micro-batches {args.micro_batches} is not divisible by the {self.dp} data ranks")
+        self.local_micro = args.micro_batches // self.dp
+        if args.pp > 1 and args.schedule == "1f1b" and self.local_micro < args.pp:
+            raise ValueError(
+                f"--micro-batches {args.micro_batches} over {self.dp} data ranks leaves {self.local_micro} a rank, "
+                f"fewer than the --pp {args.pp} stages the 1F1B schedule needs"
+            )
+        if args.pp > 1 or args.tp == args.ep == 1:
+            self._build_fsdp_pipeline()
+        else:
+            self._build_tensor_parallel()
+
+    def _build_fsdp_pipeline(self):
+        """pp > 1 (stages on mesh["pp"]), or only data parallelism: FSDP2 over the data ranks, after LoRA."""
+        from torch.distributed.fsdp import fully_shard
+
+        from kimi_hf.distributed import CausalLMLoss, PipelineStageInfo, build_schedule, load_pipeline_stage
+        from kimi_hf.distributed.mesh import data_mesh, data_rank
+        from kimi_hf.distributed.pipeline import KimiPipelineStageModule, decoder_of
+
+        args, config = self.args, self.config
+        cls, kwargs = model_class(config), load_kwargs(args, config)
+        self.mesh = self.layout.build_mesh(self.device.type, self.world) if self.world > 1 else None
+        pp_rank = self.mesh["pp"].get_local_rank() if self.mesh is not None else 0
+        layers = config.get_text_config().num_hidden_layers
+        self.stage = PipelineStageInfo.split(layers, pp_rank, args.pp) if args.pp > 1 else None
+        if self.stage is not None:
+            model = load_pipeline_stage(cls, args.model, self.stage, **kwargs)
+        else:
+            model = cls.from_pretrained(args.model, **kwargs)
+        model = model.to(self.device)
+        if args.lora:
+            model = with_lora(model, args, config)
+        model.train()
+        self.model, self.sync_adapters = model, False
+        self.data_rank = data_rank(self.mesh) if self.mesh is not None else 0
+        dmesh = data_mesh(self.mesh) if self.mesh is not None else None
+        self.replica_group = dmesh.get_group() if dmesh is not None and dmesh.ndim == 1 else None
+        if dmesh is not None and dmesh.ndim > 1:
+            self.replica_group = dmesh._flatten().get_group()
+        module = KimiPipelineStageModule(model, self.stage) if self.stage is not None else model
+        if dmesh is not None and dmesh.size() > 1:
+            decoder = decoder_of(model)
+            for i in self.stage.layers if self.stage is not None else range(layers):
+                fully_shard(decoder.layers[i], mesh=dmesh)
+            fully_shard(module, mesh=dmesh)
+        self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp)
+        self.schedule = None
+        if self.stage is not None:
+            self.schedule = build_schedule(
+                module,
+                self.stage,
+                self.mesh["pp"].get_group(),
+                self.local_micro,
+                self.loss_fn,
+                args.schedule,
+                micro_batch=args.micro_batch,
+                seq_len=args.seq_len,
+                device=self.device,
+            )
+
+    def _build_tensor_parallel(self):
+        """pp == 1 with tp / ep > 1: transformers' DistributedConfig shards the model as it loads."""
+        from transformers.distributed import DistributedConfig
+
+        from kimi_hf.distributed import CausalLMLoss
+
+        args, config = self.args, self.config
+        if args.lora and args.tp > 1:
+            raise ValueError(
+                f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
+                "--ep / --fsdp / --pp for LoRA, or --full"
+            )
+        replicate = self.world // (args.tp * args.fsdp)
+        dc = DistributedConfig(tp_size=args.tp, ep_size=args.ep, fsdp_size=args.fsdp, dp_replicate_size=replicate)
+        model = model_class(config).from_pretrained(args.model, distributed_config=dc, **load_kwargs(args, config))
+        if args.lora:
+            model = with_lora(model, args, config)
+        model.train()
+        self.model, self.stage, self.schedule = model, None, None
+        manager = model.get_base_model()._mesh_manager if args.lora else model._mesh_manager
+        fsdp, rep = manager.get_mesh("fsdp"), manager.get_mesh("dp_replicate")
+        self.data_rank = rep.get_local_rank() * fsdp.size() + fsdp.get_local_rank()
+        self.replica_group = None  # QK-Clip / expert balancing over the world: every rank holds every layer
+        self.sync_adapters = args.lora and self.dp > 1
+        self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp)
+        self.mesh = None
+
+    # ---- one step -----------------------------------------------------------------------------------------------
+    def step(self, x) -> "torch.Tensor":  # noqa: F821
+        """Forward and backward of this rank's share of the global batch x; returns this rank's summed loss part
+        (the step's mean loss is the sum over the data ranks, over the last stage's ranks under pp)."""
+        import torch
+
+        from kimi_hf.distributed.lora import average_unsharded_grads
+
+        args = self.args
+        self.loss_fn.num_items = x[:, 1:].numel()
+        rows = x.shape[0] // self.dp
+        local = x[self.data_rank * rows : (self.data_rank + 1) * rows]
+        if self.schedule is not None:
+            losses = []
+            if self.stage.is_first:
+                self.schedule.step(local)
+            elif self.stage.is_last:
+                self.schedule.step(target=local, losses=losses)
+            else:
+                self.schedule.step()
+            if not self.stage.is_last:
+                return torch.zeros((), device=self.device)
+            return torch.stack([loss.detach() for loss in losses]).sum() / self.dp
+        total = torch.zeros((), device=self.device)
+        for mb in local.split(args.micro_batch):
+            mb = mb.to(self.device)
+            logits = self.model(input_ids=mb, use_cache=False).logits
+            loss = self.loss_fn(logits, mb)
+            loss.backward()
+            total += loss.detach() / self.dp
+        if self.sync_adapters:  # PEFT's adapters, added after transformers sharded the model, are plain tensors
+            average_unsharded_grads(self.model)
+        return total / self.args.tp  # the tp ranks of a data rank computed the same loss
+
+
+def optimizer_and_scheduler(job: Job):
+    import torch
+
+    from kimi_hf.optim import MuonClip
+
+    args, model = job.args, job.model
+    if args.optimizer == "muonclip":
+        opt = MuonClip.from_model(model, lr=args.lr, qk_clip_tau=args.qk_clip_tau, process_group=job.replica_group)
+    else:
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr, weight_decay=0.1)
+    # a linear warm-up over the first 2 steps that already moves at step 0 (lr / 2, then lr)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
+
+
+def run(args) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    from kimi_hf.distributed.checkpoint import TrainState, load_checkpoint, save_checkpoint
+    from kimi_hf.optim import track_expert_load, update_expert_bias
+
+    rank, world, device = init_distributed()
+    config = read_config(args.model)
+    if args.data == "stdlib" and not any(
+        os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise ValueError(f"--data stdlib needs a tokenizer in --model {args.model}; use --data random")
+    torch.manual_seed(args.seed)
+    job = Job(args, config, rank, world, device)
+    opt, scheduler = optimizer_and_scheduler(job)
+    batches = Batches(args, config, args.model)
+    balance = args.full  # LoRA keeps the base model's expert biases
+    if balance:
+        track_expert_load(job.model)
+    state = TrainState(job.model, opt, scheduler, trainable_only=args.lora)
+    start = load_checkpoint(args.checkpoint_dir, state) if args.resume else 0
+    losses = []
+    for step in range(start, args.steps):
+        loss = job.step(batches(step))
+        opt.step()
+        scheduler.step()
+        opt.zero_grad(set_to_none=True)
+        if balance:
+            update_expert_bias(job.model, update_rate=1e-3, group=job.replica_group)
+        if world > 1:
+            dist.all_reduce(loss)  # the data ranks' (and, under pp, the last stage's) shares of the mean
+        losses.append(loss.item())
+        if rank == 0:
+            print(json.dumps({"step": step, "loss": losses[-1]}), flush=True)
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            save_checkpoint(args.checkpoint_dir, state, done)
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return losses
+
+
+if __name__ == "__main__":
+    main()

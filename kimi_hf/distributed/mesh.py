@@ -1,0 +1,90 @@
+"""The device mesh of a training layout: pipeline (pp), replicated data (dp_replicate), fully sharded data (fsdp)
+and tensor / expert parallel (tp, ep) sizes over the world, with the checks of `kimi_hf.plan.layout` (sizes
+dividing the world, the heads, the experts; a pipeline stage without layers) made before any model is built.
+
+    layout = TrainingLayout(pp=2, fsdp=2)
+    layout.check(world_size, text_config)                 # ValueError naming the size
+    mesh = layout.build_mesh("cpu")                       # DeviceMesh ("pp", "dp_replicate", "fsdp")
+
+What runs on which mesh (docs/parallelism.md):
+- pp > 1: each stage's rank group is mesh["pp"]; a stage is fully sharded over ("dp_replicate", "fsdp") (HSDP when
+  both are > 1) with torch's fully_shard; tp and ep are 1.
+- pp == 1: tensor / expert parallelism are transformers' (DistributedConfig(tp_size, ep_size, ...)), on its own
+  mesh; without them the model is fully sharded over ("dp_replicate", "fsdp").
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class TrainingLayout:
+    """Sizes of the parallel dimensions (each >= 1). The data ranks (distinct batches) are the rest of the world:
+    dp_replicate = world / (pp x tp x fsdp)."""
+
+    tp: int = 1
+    ep: int = 1
+    pp: int = 1
+    fsdp: int = 1
+    cp: int = 1
+
+    def check(self, world_size: int, text_config, experts_format: str = "dense") -> int:
+        """Raises ValueError (naming the size) for a layout that cannot run the model on `world_size` ranks or
+        that this package does not run yet; returns dp_replicate."""
+        from ..plan.layout import Layout, check_layout
+
+        for name, size in asdict(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"--{name} must be a positive integer, got {size!r}")
+        if self.cp > 1:
+            raise ValueError(f"--cp {self.cp}: context parallelism is not supported by this version of kimi_hf")
+        if self.pp > 1 and (self.tp > 1 or self.ep > 1):
+            raise ValueError(
+                f"--pp {self.pp} with --tp {self.tp} / --ep {self.ep}: pipeline stages run with FSDP2 data "
+                "parallelism (--fsdp) in this version; tensor / expert parallelism run without --pp"
+            )
+        if self.tp > 1 and self.fsdp > 1:
+            raise ValueError(
+                f"--tp {self.tp} with --fsdp {self.fsdp}: transformers 5.24's loader cannot cut tensors with a size-1 "
+                "first dim (K3's Attention Residual queries, stored [1, d]) over a 2-D mesh; use --tp with --ep, or "
+                "--fsdp (with --ep / --pp)"
+            )
+        layout = Layout(tp=self.tp, ep=self.ep, pp=self.pp, fsdp=self.fsdp)
+        try:
+            return check_layout(layout, world_size, text_config, experts_format)
+        except ValueError as e:  # the planner says --gpus; a launched job has a world size
+            raise ValueError(str(e).replace("--gpus", "the world size")) from None
+
+    def data_ranks(self, world_size: int) -> int:
+        """How many ranks see distinct batches: dp_replicate x fsdp."""
+        return world_size // (self.pp * self.tp)
+
+    def build_mesh(self, device_type: str, world_size: int | None = None):
+        """DeviceMesh ("pp", "dp_replicate", "fsdp") over the world (pp > 1, or pp == tp == ep == 1)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        world = dist.get_world_size() if world_size is None else world_size
+        replicate = world // (self.pp * self.fsdp)
+        return init_device_mesh(
+            device_type, (self.pp, replicate, self.fsdp), mesh_dim_names=("pp", "dp_replicate", "fsdp")
+        )
+
+
+def data_mesh(mesh):
+    """The data-parallel sub-mesh of a ("pp", "dp_replicate", "fsdp") mesh: 2-D (HSDP's replicate x shard) when
+    both sizes are > 1, else the one that is (FSDP2 shards over it)."""
+    replicate, shard = mesh["dp_replicate"].size(), mesh["fsdp"].size()
+    if replicate > 1 and shard > 1:
+        return mesh["dp_replicate", "fsdp"]
+    return mesh["dp_replicate"] if replicate > 1 else mesh["fsdp"]
+
+
+def data_rank(mesh) -> int:
+    """This rank's index among the data ranks of a ("pp", "dp_replicate", "fsdp") mesh."""
+    return mesh["dp_replicate"].get_local_rank() * mesh["fsdp"].size() + mesh["fsdp"].get_local_rank()
+
+
+__all__ = ["TrainingLayout", "data_mesh", "data_rank"]

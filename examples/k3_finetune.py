@@ -346,6 +346,11 @@ def run(args) -> list[float]:
         os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         raise ValueError(f"--data stdlib needs a tokenizer in --model {args.model}; use --data random")
+    if args.resume:
+        from kimi_hf.distributed.checkpoint import checkpoint_steps
+
+        if not checkpoint_steps(args.checkpoint_dir):
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint (step-N folder) to resume from")
     torch.manual_seed(args.seed)
     job = Job(args, config, rank, world, device)
     opt, scheduler = optimizer_and_scheduler(job)

@@ -44,6 +44,11 @@ class TrainState(Stateful):
     def __init__(self, model, optimizer, scheduler=None, *, trainable_only: bool = False, step: int = 0):
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.options = StateDictOptions(ignore_frozen_params=trainable_only, flatten_optimizer_state_dict=True)
+        # loading a LoRA run's adapters leaves the frozen base weights as loaded from the folder (DCP itself refuses
+        # a key the checkpoint lacks)
+        self.load_options = StateDictOptions(
+            ignore_frozen_params=trainable_only, flatten_optimizer_state_dict=True, strict=not trainable_only
+        )
         self.step = step
 
     def state_dict(self) -> dict:
@@ -59,7 +64,7 @@ class TrainState(Stateful):
             self.optimizer,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
-            options=self.options,
+            options=self.load_options,
         )
         if self.scheduler is not None:
             self.scheduler.load_state_dict(state_dict["scheduler"])

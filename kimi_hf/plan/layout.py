@@ -53,13 +53,13 @@ def check_layout(layout: Layout, gpus: int, text_config, experts_format: str = "
         if not isinstance(size, int) or isinstance(size, bool) or size < 1:
             raise ValueError(f"--{name} must be a positive integer, got {size!r}")
     tp, ep, pp, fsdp = layout.tp, layout.ep, layout.pp, layout.fsdp
+    layers = text_config.num_hidden_layers
+    if pp > layers:
+        raise ValueError(f"--pp {pp} leaves a pipeline stage without layers: the model has {layers} decoder layers")
     if gpus % layout.replica:
         raise ValueError(
             f"--tp {tp} x --pp {pp} x --fsdp {fsdp} = {layout.replica} devices a replica does not divide --gpus {gpus}"
         )
-    layers = text_config.num_hidden_layers
-    if pp > layers:
-        raise ValueError(f"--pp {pp} leaves a pipeline stage without layers: the model has {layers} decoder layers")
     heads = [("num_attention_heads", text_config.num_attention_heads, "full_attention")]
     heads.append(("linear_attn_config.num_heads", getattr(text_config, "linear_num_heads", None), "linear_attention"))
     for field, count, kind in heads:

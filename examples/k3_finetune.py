@@ -47,6 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--qk-clip-tau", type=float, default=100.0)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    p.add_argument("--gradient-checkpointing", action="store_true", help="recompute each layer in the backward")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest step")
@@ -121,6 +122,15 @@ def lora_targets(config) -> list[str]:
     from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
     return K3_LORA_TARGET_MODULES if config.model_type.startswith("kimi_k3") else LORA_TARGET_MODULES
+
+
+def prepare(model, args, config):
+    """LoRA (or not), activation checkpointing, training mode: before FSDP2 shards the model."""
+    if args.lora:
+        model = with_lora(model, args, config)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
 
 
 def with_lora(model, args, config):
@@ -226,10 +236,7 @@ class Job:
             model = load_pipeline_stage(cls, args.model, self.stage, **kwargs)
         else:
             model = cls.from_pretrained(args.model, **kwargs)
-        model = model.to(self.device)
-        if args.lora:
-            model = with_lora(model, args, config)
-        model.train()
+        model = prepare(model.to(self.device), args, config)
         self.model, self.sync_adapters = model, False
         self.data_rank = data_rank(self.mesh) if self.mesh is not None else 0
         dmesh = data_mesh(self.mesh) if self.mesh is not None else None
@@ -272,9 +279,7 @@ class Job:
         replicate = self.world // (args.tp * args.fsdp)
         dc = DistributedConfig(tp_size=args.tp, ep_size=args.ep, fsdp_size=args.fsdp, dp_replicate_size=replicate)
         model = model_class(config).from_pretrained(args.model, distributed_config=dc, **load_kwargs(args, config))
-        if args.lora:
-            model = with_lora(model, args, config)
-        model.train()
+        model = prepare(model, args, config)
         self.model, self.stage, self.schedule = model, None, None
         manager = model.get_base_model()._mesh_manager if args.lora else model._mesh_manager
         fsdp, rep = manager.get_mesh("fsdp"), manager.get_mesh("dp_replicate")

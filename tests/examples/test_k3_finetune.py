@@ -168,7 +168,8 @@ def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path)
 
 
 def test_accelerate_launch_matches_one_process(k3_folder, reference, tmp_path):
-    """The shipped accelerate config (4 processes), here with 2: PP 2, full fine-tuning with AdamW."""
+    """The shipped accelerate config (4 processes), here with 2: PP 2, full fine-tuning with AdamW, activation
+    checkpointing (the same losses: the recomputed layers are the same computation)."""
     cmd = [
         sys.executable,
         "-m",
@@ -189,6 +190,7 @@ def test_accelerate_launch_matches_one_process(k3_folder, reference, tmp_path):
         "2",
         "--optimizer",
         "adamw",
+        "--gradient-checkpointing",
     ]
     assert_same(reference["full_adamw"], losses(run(cmd, extra_env={"HF_HOME": str(tmp_path / "hf")})))
 

@@ -100,3 +100,22 @@ def depth_attention_weights(
     """[n (+ 1), B, T] fp32 softmax weights over the blocks (and the partial sum, last); no grad needed."""
     dots, r = _logit_parts(_sources(blocks, partial), w.float(), eps)
     return (dots * r).softmax(0)
+
+
+def push_depth_output(
+    partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """After sublayer `sublayer`: its output opens a new partial sum when a block starts (the old one
+    then joins the completed blocks: one copy per block, not per sublayer), else it accumulates."""
+    if sublayer == 0:
+        return output, blocks
+    if sublayer % block_size == 0:
+        return output, torch.cat([blocks, partial[None]])
+    return partial + output, blocks
+
+
+def depth_blocks_after(sublayers: int, block_size: int) -> int:
+    """How many completed blocks `push_depth_output` holds after `sublayers` sublayers (the embedding counts: 1
+    before the first): a new one each time a sublayer after the first starts a block. A pipeline stage's
+    boundary tensor [n, B, T, d] has this n."""
+    return 1 + max(sublayers - 1, 0) // block_size

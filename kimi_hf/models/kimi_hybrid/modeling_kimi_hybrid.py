@@ -33,7 +33,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
-from ...ops.depth_attention import depth_attention, depth_attention_weights
+from ...ops.depth_attention import depth_attention, depth_attention_weights, push_depth_output
 from ...ops.kda import chunk_kda, recurrent_kda
 from ...ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from ...ops.mxfp4_matmul import mxfp4_grouped_linear
@@ -775,25 +775,6 @@ class KimiHybridDepthAttention(nn.Module):
 
     def forward(self, blocks: torch.Tensor, partial: torch.Tensor | None = None) -> torch.Tensor:
         return depth_attention(self.normed_query(), blocks, partial, self.key_norm.variance_epsilon)
-
-
-def push_depth_output(
-    partial: torch.Tensor, blocks: torch.Tensor, output: torch.Tensor, sublayer: int, block_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """After sublayer `sublayer`: its output opens a new partial sum when a block starts (the old one
-    then joins the completed blocks: one copy per block, not per sublayer), else it accumulates."""
-    if sublayer == 0:
-        return output, blocks
-    if sublayer % block_size == 0:
-        return output, torch.cat([blocks, partial[None]])
-    return partial + output, blocks
-
-
-def depth_blocks_after(sublayers: int, block_size: int) -> int:
-    """How many completed blocks `push_depth_output` holds after `sublayers` sublayers (the embedding counts: 1
-    before the first): a new one each time a sublayer after the first starts a block. A pipeline stage's
-    boundary tensor [n, B, T, d] has this n."""
-    return 1 + max(sublayers - 1, 0) // block_size
 
 
 class KimiHybridDecoderLayer(GradientCheckpointingLayer):

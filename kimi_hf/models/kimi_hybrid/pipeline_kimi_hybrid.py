@@ -21,6 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ...ops.depth_attention import depth_blocks_after
+
 
 _ACTIVE_STAGE: contextvars.ContextVar = contextvars.ContextVar("kimi_hf_pipeline_stage", default=None)
 
@@ -171,8 +173,6 @@ def stage_io_meta(model: nn.Module, stage: PipelineStageInfo, micro_batch: int, 
     (a forward on uninitialised tensors would count router loads and QK-Clip maxima). The first stage takes
     input_ids; a boundary carries the hidden states [b, T, d] and, with Attention Residuals, the completed
     blocks [n, b, T, d] (n from `depth_blocks_after`); the last stage returns the logits [b, T, V]."""
-    from .modeling_kimi_hybrid import depth_blocks_after
-
     top, text = _top(model), decoder_of(model)
     config = text.config
     dtype = text.layers[stage.layers[0]].input_layernorm.weight.dtype

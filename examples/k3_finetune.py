@@ -51,7 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--checkpoint-dir")
     p.add_argument("--save-every", type=int, default=0, help="also save every N steps (0: at the end only)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint-dir's latest step")
-    p.add_argument("--export", metavar="DIR", help="not supported yet (streaming export of the trained model)")
+    p.add_argument(
+        "--export", metavar="DIR", help="at the end, the trained model in K3's released layout (LoRA: merged)"
+    )
     args = p.parse_args(argv)
     args.lora = not args.full
     for name in ("steps", "seq_len", "micro_batch", "micro_batches", "lora_rank"):
@@ -59,8 +61,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
     if args.resume and not args.checkpoint_dir:
         p.error("--resume needs --checkpoint-dir")
-    if args.export:
-        p.error("--export: the streaming export from the sharded checkpoint is not in this version")
+    if args.export and not args.checkpoint_dir:
+        p.error("--export needs --checkpoint-dir: the export streams the trained weights from the sharded checkpoint")
     return args
 
 
@@ -380,11 +382,32 @@ def run(args) -> list[float]:
             print(json.dumps({"step": step, "loss": losses[-1]}), flush=True)
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or (args.save_every and done % args.save_every == 0)):
+            # (--export reads the last one)
             save_checkpoint(args.checkpoint_dir, state, done)
+    if args.export:
+        export(args, config, rank, world)
     if world > 1:
         dist.barrier()
         dist.destroy_process_group()
     return losses
+
+
+def export(args, config, rank: int, world: int) -> None:
+    """Rank 0 writes the official K3 layout from the last saved step, streaming (a layer or a source shard at a
+    time); the other ranks wait."""
+    import torch.distributed as dist
+
+    from kimi_hf.distributed.checkpoint import checkpoint_steps
+    from kimi_hf.distributed.export import export_full, export_lora
+
+    if rank == 0:
+        step_dir = os.path.join(args.checkpoint_dir, f"step-{checkpoint_steps(args.checkpoint_dir)[-1]}")
+        if args.lora:
+            export_lora(step_dir, args.model, args.export, scaling=2.0)  # lora_alpha = 2 r
+        else:
+            export_full(step_dir, args.model, args.export)
+    if world > 1:
+        dist.barrier()
 
 
 if __name__ == "__main__":

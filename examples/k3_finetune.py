@@ -11,8 +11,9 @@ Rank 0 prints one JSON line per optimizer step, {"step": i, "loss": x}, and noth
 line on stderr, exit status 2). A step trains on the same global batch in every layout, --micro-batch sequences of
 --seq-len tokens times --micro-batches (default 4), split over the data ranks (dp_replicate x fsdp = world /
 (pp x tp)), so the same seed and data give the same losses on any layout (to rounding). --data random draws seeded
-token ids below the config's vocab_size (a folder without a tokenizer); --data stdlib tokenizes the Python standard
-library's sources with the folder's tokenizer.
+token ids below the config's vocab_size (a folder without a tokenizer; the image placeholder id left out); --data
+stdlib tokenizes the Python standard library's sources with the folder's tokenizer. --export DIR writes the trained
+model in K3's released layout from the last checkpoint, streaming (LoRA: merged into the source folder's weights).
 
 --checkpoint-dir D saves a sharded checkpoint (torch.distributed.checkpoint) at the end (and every --save-every
 steps): model (LoRA: the adapters), optimizer states, scheduler, step. --resume continues from D's latest step,
@@ -154,6 +155,7 @@ class Batches:
 
     def __init__(self, args, config, folder: str):
         self.args, self.vocab = args, config.get_text_config().vocab_size
+        self.image_token = getattr(config, "image_token_id", None)
         self.tokens = None
         if args.data == "stdlib":
             self.tokens = self._stdlib_tokens(folder)
@@ -187,7 +189,10 @@ class Batches:
         T = self.args.seq_len
         if self.tokens is None:
             gen = torch.Generator().manual_seed(self.args.seed * 100_003 + step)
-            return torch.randint(0, self.vocab, (self.rows, T), generator=gen)
+            ids = torch.randint(0, self.vocab, (self.rows, T), generator=gen)
+            if self.image_token is not None:  # a text batch: the image placeholder would ask for pixels
+                ids[ids == self.image_token] = (self.image_token + 1) % self.vocab
+            return ids
         start = step * self.rows * (T + 1)
         return self.tokens[start : start + self.rows * (T + 1)].view(self.rows, T + 1)[:, :T]
 

@@ -2,8 +2,9 @@
 layout, streaming: no process ever holds the whole model.
 
 - A LoRA run: the released folder it was trained from, shard by shard, with each adapted weight merged
-  (W + alpha / r * B A, computed in fp32, stored in the weight's own dtype); everything else (the MXFP4 experts'
-  bytes, A_log's padding, the vision tower) is copied bit for bit. Peak: one source shard plus the adapters.
+  (W + alpha / r * B A, computed in fp32 when the weight is written, stored in the weight's own dtype); everything
+  else (the MXFP4 experts' bytes, A_log's padding, the vision tower) is copied bit for bit. Peak: one source shard,
+  its merged copy and the adapters' factors.
 - A full fine-tuning run: the checkpoint's parameters, one decoder layer at a time (read from the DCP shards by
   name), turned into the release's names and shapes by `k3_state_dict` (the same conversion `save_pretrained`
   uses; routed experts dense `.weight`, as trained weights are off the MXFP4 grid, and `quantization_config`
@@ -88,24 +89,24 @@ def _source_shards(model_dir: str) -> list[str]:
 
 
 # ---- LoRA: the source folder with the adapters merged ----------------------------------------------------------
-def lora_deltas(step_dir: str, text_config, scaling: float) -> dict[str, torch.Tensor]:
-    """{released weight name: scaling * B @ A (fp32)} for every adapter in the checkpoint."""
+def lora_factors(step_dir: str, text_config) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{released weight name: (B [out, r], A [r, in])} for every adapter in the checkpoint: the small factors only,
+    each delta B A is formed when its weight is written (at K3's size the deltas of all adapted weights would be
+    hundreds of GB)."""
     from ..models.kimi_k3.modeling_kimi_k3 import _released_name
 
     reader, meta = _reader(step_dir)
     keys = [k for k in meta.state_dict_metadata if k.startswith(PREFIX) and ".lora_A." in k]
     if not keys:
-        raise ValueError(f"{step_dir}: no LoRA adapters in this checkpoint (a full fine-tuning run? use lora=False)")
+        raise ValueError(f"{step_dir}: no LoRA adapters in this checkpoint (a full fine-tuning run? use export_full)")
     pairs = {k: k.replace(".lora_A.", ".lora_B.") for k in keys}
     tensors = _load(step_dir, meta, [*pairs, *pairs.values()])
     sparse = {i for i, t in enumerate(text_config.mlp_layer_types) if t == "sparse"}
     out = {}
     for a_key, b_key in pairs.items():
-        ours = a_key[len(PREFIX) :]
-        ours = ours.removeprefix("base_model.model.")
-        module = ours.split(".lora_A.")[0]
+        module = a_key[len(PREFIX) :].removeprefix("base_model.model.").split(".lora_A.")[0]
         released, _ = _released_name(module + ".weight", sparse)
-        out[released] = scaling * (tensors[b_key].float() @ tensors[a_key].float())
+        out[released] = (tensors[b_key], tensors[a_key])
     return out
 
 
@@ -116,7 +117,7 @@ def export_lora(step_dir: str, model_dir: str, out_dir: str, scaling: float) -> 
     import kimi_hf  # noqa: F401
 
     config = AutoConfig.from_pretrained(model_dir)
-    deltas = lora_deltas(step_dir, config.get_text_config(), scaling)
+    factors = lora_factors(step_dir, config.get_text_config())
     tmp = _start(out_dir)
     merged = 0
     for shard in _source_shards(model_dir):
@@ -125,15 +126,16 @@ def export_lora(step_dir: str, model_dir: str, out_dir: str, scaling: float) -> 
             metadata = f.metadata()
             for name in f.keys():
                 t = f.get_tensor(name)
-                if name in deltas:
-                    t = (t.float() + deltas.pop(name)).to(t.dtype)
+                if name in factors:
+                    b, a = factors.pop(name)
+                    t = torch.addmm(t.float(), b.float(), a.float(), alpha=scaling).to(t.dtype)
                     merged += 1
                 tensors[name] = t
         save_file(tensors, os.path.join(tmp, shard), metadata=metadata)
         del tensors
-    if deltas:
+    if factors:
         shutil.rmtree(tmp)
-        raise ValueError(f"{model_dir}: no weight for the adapters of {sorted(deltas)[:3]} ...")
+        raise ValueError(f"{model_dir}: no weight for the adapters of {sorted(factors)[:3]} ...")
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
         shutil.copyfile(index, os.path.join(tmp, "model.safetensors.index.json"))
@@ -212,4 +214,4 @@ def export_full(step_dir: str, model_dir: str, out_dir: str, max_shard_size: int
     return {"shards": count, "bytes": total}
 
 
-__all__ = ["export_full", "export_lora", "lora_deltas"]
+__all__ = ["export_full", "export_lora", "lora_factors"]

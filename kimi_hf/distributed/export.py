@@ -30,13 +30,12 @@ PREFIX = "train.model."
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-def _reader(step_dir: str):
+def _reader(step_dir: str):  # -> the checkpoint's metadata
     from torch.distributed.checkpoint import FileSystemReader
 
     if not os.path.isfile(os.path.join(step_dir, ".metadata")):
         raise ValueError(f"{step_dir}: not a torch.distributed.checkpoint folder (no .metadata)")
-    reader = FileSystemReader(step_dir)
-    return reader, reader.read_metadata()
+    return FileSystemReader(step_dir).read_metadata()
 
 
 def _load(step_dir: str, meta, keys: list[str]) -> dict[str, torch.Tensor]:
@@ -95,7 +94,7 @@ def lora_factors(step_dir: str, text_config) -> dict[str, tuple[torch.Tensor, to
     hundreds of GB)."""
     from ..models.kimi_k3.modeling_kimi_k3 import _released_name
 
-    reader, meta = _reader(step_dir)
+    meta = _reader(step_dir)
     keys = [k for k in meta.state_dict_metadata if k.startswith(PREFIX) and ".lora_A." in k]
     if not keys:
         raise ValueError(f"{step_dir}: no LoRA adapters in this checkpoint (a full fine-tuning run? use export_full)")
@@ -157,7 +156,7 @@ def export_full(step_dir: str, model_dir: str, out_dir: str, max_shard_size: int
     config = AutoConfig.from_pretrained(model_dir)
     if config.model_type != "kimi_k3":
         raise ValueError(f"{model_dir}: the export writes Kimi K3's released layout, not {config.model_type!r}")
-    reader, meta = _reader(step_dir)
+    meta = _reader(step_dir)
     keys = [k for k in meta.state_dict_metadata if k.startswith(PREFIX)]
     if any(".lora_A." in k for k in keys):
         raise ValueError(f"{step_dir}: a LoRA checkpoint (export it with lora=True)")

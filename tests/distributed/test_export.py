@@ -35,6 +35,12 @@ def k3_folder(tmp_path_factory) -> Path:
     return folder
 
 
+def train_and_export(k3_folder, mode: str, ck, out, *extra: str) -> None:
+    """examples/k3_finetune.py: 2 steps on random tokens, a checkpoint in ck, the export in out."""
+    args = ["--model", str(k3_folder), mode, "--steps", "2", "--data", "random", "--seq-len", "32", *extra]
+    example().main([*args, "--checkpoint-dir", str(ck), "--export", str(out)])
+
+
 def trained_state(step_dir: Path, tmp_path: Path) -> dict:
     dcp_to_torch_save(str(step_dir), str(tmp_path / "ck.pt"))
     return torch.load(tmp_path / "ck.pt", weights_only=False)["train"]["model"]
@@ -63,25 +69,7 @@ def test_lora_export_is_the_merged_model(k3_folder, tmp_path):
     from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
     ck, out = tmp_path / "ck", tmp_path / "merged"
-    example().main(
-        [
-            "--model",
-            str(k3_folder),
-            "--lora",
-            "--steps",
-            "2",
-            "--data",
-            "random",
-            "--seq-len",
-            "32",
-            "--lora-rank",
-            "4",
-            "--checkpoint-dir",
-            str(ck),
-            "--export",
-            str(out),
-        ]
-    )
+    train_and_export(k3_folder, "--lora", ck, out, "--lora-rank", "4")
     assert not (tmp_path / "merged.tmp").exists()
     assert all((os.stat(out / f).st_mode & 0o777) == 0o644 for f in os.listdir(out))
     # the reference: the base model with the trained adapters, unmerged
@@ -108,23 +96,7 @@ def test_full_export_reloads_the_trained_weights(k3_folder, tmp_path):
     from transformers import AutoModelForImageTextToText
 
     ck, out = tmp_path / "ck", tmp_path / "full"
-    example().main(
-        [
-            "--model",
-            str(k3_folder),
-            "--full",
-            "--steps",
-            "2",
-            "--data",
-            "random",
-            "--seq-len",
-            "32",
-            "--checkpoint-dir",
-            str(ck),
-            "--export",
-            str(out),
-        ]
-    )
+    train_and_export(k3_folder, "--full", ck, out)
     model = AutoModelForImageTextToText.from_pretrained(k3_folder, dtype=torch.float32, experts_format="dense")
     state = trained_state(ck / "step-2", tmp_path)
     model.load_state_dict(state, strict=True)

@@ -1,6 +1,6 @@
 """Fine-tune Kimi K3 (or Kimi Linear) on any layout of ranks: LoRA over the resident MXFP4 experts or full
 fine-tuning, MuonClip or AdamW, pipeline stages (Attention Residuals across the boundary), FSDP2, tensor / expert
-parallelism, sharded checkpoints to resume from.
+parallelism, context parallelism (--cp), sharded checkpoints to resume from.
 
     python examples/k3_finetune.py --model DIR --lora --steps 4 --data random                  # one process
     torchrun --nproc-per-node 4 examples/k3_finetune.py --model DIR --lora --pp 2 --fsdp 2     # 4 ranks
@@ -10,7 +10,8 @@ parallelism, sharded checkpoints to resume from.
 Rank 0 prints one JSON line per optimizer step, {"step": i, "loss": x}, and nothing else on stdout (errors: one
 line on stderr, exit status 2). A step trains on the same global batch in every layout, --micro-batch sequences of
 --seq-len tokens times --micro-batches (default 4), split over the data ranks (dp_replicate x fsdp = world /
-(pp x tp)), so the same seed and data give the same losses on any layout (to rounding). --data random draws seeded
+(pp x tp); with --cp C, every C consecutive data ranks split each sequence instead: kimi_hf.distributed.context), so
+the same seed and data give the same losses on any layout (to rounding). --data random draws seeded
 token ids below the config's vocab_size (a folder without a tokenizer; the image placeholder id left out); --data
 stdlib tokenizes the Python standard library's sources with the folder's tokenizer. --export DIR writes the trained
 model in K3's released layout from the last checkpoint, streaming (LoRA: merged into the source folder's weights).
@@ -198,6 +199,20 @@ class Batches:
 
 
 # ---- the layouts -------------------------------------------------------------------------------------------------
+def check_context_split(args, text_config) -> None:
+    """--cp: the sequence must cut into equal slices at least as long as the short convolution's left context."""
+    if args.cp == 1:
+        return
+    if args.seq_len % args.cp:
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {args.cp}")
+    width = text_config.linear_conv_kernel_dim - 1
+    if "linear_attention" in text_config.layer_types and args.seq_len // args.cp < width:
+        raise ValueError(
+            f"--seq-len {args.seq_len} over --cp {args.cp} leaves {args.seq_len // args.cp} tokens a rank, fewer than "
+            f"KDA's short convolution reads from the previous rank ({width})"
+        )
+
+
 class Job:
     """The model of this rank, how a step runs on it, and the groups the optimizer reduces over."""
 
@@ -208,13 +223,15 @@ class Job:
         self.args, self.config, self.rank, self.world, self.device = args, config, rank, world, device
         text = config.get_text_config()
         self.layout = TrainingLayout(tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp, cp=args.cp)
+        check_context_split(args, text)
         # MXFP4 experts are cut before they are decoded (also when --full loads them dense)
         experts = "mxfp4" if experts_are_mxfp4(text) else "dense"
         self.layout.check(world, text, experts)
-        self.dp = self.layout.data_ranks(world)
-        if args.micro_batches % self.dp:
-            raise ValueError(f"--micro-batches {args.micro_batches} is not divisible by the {self.dp} data ranks")
-        self.local_micro = args.micro_batches // self.dp
+        self.dp = self.layout.data_ranks(world)  # what FSDP2 / transformers average gradients over
+        self.batches = self.layout.batch_ranks(world)  # distinct batches: a context-parallel group splits one
+        if args.micro_batches % self.batches:
+            raise ValueError(f"--micro-batches {args.micro_batches} is not divisible by the {self.batches} data ranks")
+        self.local_micro = args.micro_batches // self.batches
         if args.pp > 1 and args.schedule == "1f1b" and self.local_micro < args.pp:
             raise ValueError(
                 f"--micro-batches {args.micro_batches} over {self.dp} data ranks leaves {self.local_micro} a rank, "
@@ -224,6 +241,12 @@ class Job:
             self._build_fsdp_pipeline()
         else:
             self._build_tensor_parallel()
+        self.cp_group = None
+        if args.cp > 1:
+            from kimi_hf.distributed.context import context_parallel_group, enable_context_parallel
+
+            self.cp_group = context_parallel_group(self.data_rank, args.cp, self.tp_rank)
+            enable_context_parallel(self.model, self.cp_group)
 
     def _build_fsdp_pipeline(self):
         """pp > 1 (stages on mesh["pp"]), or only data parallelism: FSDP2 over the data ranks, after LoRA."""
@@ -244,7 +267,7 @@ class Job:
         else:
             model = cls.from_pretrained(args.model, **kwargs)
         model = prepare(model.to(self.device), args, config)
-        self.model, self.sync_adapters = model, False
+        self.model, self.sync_adapters, self.tp_rank = model, False, 0
         self.data_rank = data_rank(self.mesh) if self.mesh is not None else 0
         dmesh = data_mesh(self.mesh) if self.mesh is not None else None
         self.replica_group = dmesh.get_group() if dmesh is not None and dmesh.ndim == 1 else None
@@ -291,6 +314,7 @@ class Job:
         manager = model.get_base_model()._mesh_manager if args.lora else model._mesh_manager
         fsdp, rep = manager.get_mesh("fsdp"), manager.get_mesh("dp_replicate")
         self.data_rank = rep.get_local_rank() * fsdp.size() + fsdp.get_local_rank()
+        self.tp_rank = manager.get_mesh("tp").get_local_rank() if args.tp > 1 else 0
         self.replica_group = None  # QK-Clip / expert balancing over the world: every rank holds every layer
         self.sync_adapters = args.lora and self.dp > 1
         self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp)
@@ -306,8 +330,8 @@ class Job:
 
         args = self.args
         self.loss_fn.num_items = x[:, 1:].numel()
-        rows = x.shape[0] // self.dp
-        local = x[self.data_rank * rows : (self.data_rank + 1) * rows]
+        rows, batch = x.shape[0] // self.batches, self.data_rank // args.cp
+        local = x[batch * rows : (batch + 1) * rows]
         if self.schedule is not None:
             losses = []
             if self.stage.is_first:
@@ -322,8 +346,18 @@ class Job:
         total = torch.zeros((), device=self.device)
         for mb in local.split(args.micro_batch):
             mb = mb.to(self.device)
-            logits = self.model(input_ids=mb, use_cache=False).logits
-            loss = self.loss_fn(logits, mb)
+            inputs, labels, shifted = {"input_ids": mb}, mb, None
+            if self.cp_group is not None:  # this rank's slice of each sequence, its labels shifted before the cut
+                from kimi_hf.distributed.context import context_parallel_batch
+
+                part = context_parallel_batch(mb, self.cp_group)
+                inputs, labels, shifted = (
+                    {k: part[k] for k in ("input_ids", "position_ids")},
+                    None,
+                    part["shift_labels"],
+                )
+            logits = self.model(**inputs, use_cache=False).logits
+            loss = self.loss_fn(logits, labels, shifted)
             loss.backward()
             total += loss.detach() / self.dp
         if self.sync_adapters:  # PEFT's adapters, added after transformers sharded the model, are plain tensors

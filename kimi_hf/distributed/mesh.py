@@ -7,6 +7,8 @@ dividing the world, the heads, the experts; a pipeline stage without layers) mad
     mesh = layout.build_mesh("cpu")                       # DeviceMesh ("pp", "dp_replicate", "fsdp")
 
 What runs on which mesh (docs/parallelism.md):
+- cp > 1: every cp consecutive data ranks split one batch's sequences (kimi_hf.distributed.context); the engines
+  below see them as data ranks (their gradients are reduced with the others');
 - pp > 1: each stage's rank group is mesh["pp"]; a stage is fully sharded over ("dp_replicate", "fsdp") (HSDP when
   both are > 1) with torch's fully_shard; tp and ep are 1.
 - pp == 1: tensor / expert parallelism are transformers' (DistributedConfig(tp_size, ep_size, ...)), on its own
@@ -39,8 +41,10 @@ class TrainingLayout:
         for name, size in asdict(self).items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {size!r}")
-        if self.cp > 1:
-            raise ValueError(f"--cp {self.cp}: context parallelism is not supported by this version of kimi_hf")
+        if self.cp > 1 and self.pp > 1:
+            raise ValueError(
+                f"--cp {self.cp} with --pp {self.pp}: context parallelism runs without pipeline stages in this version"
+            )
         if self.pp > 1 and (self.tp > 1 or self.ep > 1):
             raise ValueError(
                 f"--pp {self.pp} with --tp {self.tp} / --ep {self.ep}: pipeline stages run with FSDP2 data "
@@ -54,13 +58,25 @@ class TrainingLayout:
             )
         layout = Layout(tp=self.tp, ep=self.ep, pp=self.pp, fsdp=self.fsdp)
         try:
-            return check_layout(layout, world_size, text_config, experts_format)
+            replicate = check_layout(layout, world_size, text_config, experts_format)
         except ValueError as e:  # the planner says --gpus; a launched job has a world size
             raise ValueError(str(e).replace("--gpus", "the world size")) from None
+        data = self.data_ranks(world_size)
+        if data % self.cp:
+            raise ValueError(
+                f"--cp {self.cp} does not divide the {data} data ranks (world size {world_size} / (pp x tp)): each "
+                "batch is split over --cp data ranks"
+            )
+        return replicate
 
     def data_ranks(self, world_size: int) -> int:
-        """How many ranks see distinct batches: dp_replicate x fsdp."""
+        """The data ranks of the parallelism engines (FSDP2 / transformers average gradients over them):
+        dp_replicate x fsdp = world / (pp x tp)."""
         return world_size // (self.pp * self.tp)
+
+    def batch_ranks(self, world_size: int) -> int:
+        """How many ranks see distinct batches: the data ranks over cp (a context-parallel group splits one)."""
+        return self.data_ranks(world_size) // self.cp
 
     def build_mesh(self, device_type: str, world_size: int | None = None):
         """DeviceMesh ("pp", "dp_replicate", "fsdp") over the world (pp > 1, or pp == tp == ep == 1)."""

@@ -63,10 +63,20 @@ class CausalLMLoss:
     def __init__(self, vocab_size: int, num_items: int = 1, grad_divide: int = 1):
         self.vocab_size, self.num_items, self.grad_divide = vocab_size, num_items, grad_divide
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """labels [B, T] (shifted here), or shift_labels [B, T] already shifted (context parallelism: a rank's slice
+        of labels shifted before the split)."""
         from transformers.loss.loss_utils import ForCausalLMLoss
 
-        return ForCausalLMLoss(logits, labels, self.vocab_size, num_items_in_batch=self.num_items / self.grad_divide)
+        return ForCausalLMLoss(
+            logits,
+            labels,
+            self.vocab_size,
+            num_items_in_batch=self.num_items / self.grad_divide,
+            shift_labels=shift_labels,
+        )
 
 
 def build_schedule(

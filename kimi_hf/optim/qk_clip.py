@@ -109,7 +109,12 @@ def _local_head_offset(module: nn.Module, local: int, total: int) -> int:
     for p in module.parameters():
         mesh = getattr(p, "device_mesh", None)
         if mesh is not None:
-            return mesh.get_local_rank() * local
+            if mesh.ndim == 1:
+                return mesh.get_local_rank() * local
+            # a 2-D mesh (tensor parallelism beside replicated data ranks): the dim that shards the heads (rows)
+            for i, placement in enumerate(p.placements):
+                if placement.is_shard(0):
+                    return mesh.get_local_rank(i) * local
     raise ValueError(f"QK-Clip: {type(module).__name__} recorded {local} heads of {total} without a device mesh")
 
 

@@ -6,9 +6,6 @@ released K3 layout holds exactly its part."""
 from __future__ import annotations
 
 import glob
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,26 +15,7 @@ from kimi_hf.distributed import PipelineStageInfo, build_schedule, load_pipeline
 from kimi_hf.distributed.pipeline import KimiPipelineStageModule, prune_to_stage, stage_io_meta
 
 from . import pp_worker
-
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(script: Path, args: list[str], nproc: int) -> str:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd += ["--master_port", str(free_port()), str(script), *args]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
-    return out.stdout
+from .launch import ROOT, torchrun
 
 
 def _merged(out_dir: Path, case) -> tuple[dict, list]:

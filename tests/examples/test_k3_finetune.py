@@ -103,6 +103,22 @@ def test_fsdp2_x_ep_matches_one_process(k3_folder, reference):
     assert_same(reference["full"], torchrun(k3_folder, 2, "--full", "--ep", "2", "--fsdp", "2"))
 
 
+@pytest.mark.parametrize(
+    "mode, nproc, layout",
+    [
+        ("full", 2, ["--cp", "2"]),
+        ("full", 4, ["--ep", "2", "--fsdp", "2", "--cp", "2"]),  # CP 2 x FSDP2 x EP 2
+        ("full", 4, ["--tp", "2", "--ep", "2", "--cp", "2"]),  # TP 2 x EP 2 x CP 2
+        ("lora", 2, ["--cp", "2"]),
+    ],
+    ids=["cp2", "cp2_fsdp2_ep2", "tp2_ep2_cp2", "lora_cp2"],
+)
+def test_context_parallel_matches_one_process(k3_folder, reference, mode, nproc, layout):
+    """Each sequence split over the --cp ranks (KDA's state maps composed, the short convolutions' left context and
+    MLA's latent exchanged): the losses of one process, the whole sequences at once."""
+    assert_same(reference[mode], torchrun(k3_folder, nproc, f"--{mode}", *layout))
+
+
 def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path):
     """Two torchrun "nodes" of 2 processes each meeting at a c10d rendezvous on 127.0.0.1 (what a 2-node cluster job
     runs, one command a node) train LoRA on PP 2 x FSDP2 2 for 2 of the 3 steps and save a sharded checkpoint; FSDP2 x
@@ -214,7 +230,13 @@ def test_resume_is_bit_identical(k3_folder, reference, tmp_path):
         (["--ep", "3"], "--ep 3 does not divide num_experts"),
         (["--pp", "9"], "--pp 9 leaves a pipeline stage without layers"),
         (["--fsdp", "2"], "does not divide the world size 1"),
-        (["--cp", "2"], "--cp 2: context parallelism is not supported"),
+        (["--cp", "2"], "--cp 2 does not divide the 1 data ranks"),
+        (["--cp", "2", "--pp", "2"], "--cp 2 with --pp 2"),
+        (["--cp", "2", "--seq-len", "33"], "--seq-len 33 is not divisible by --cp 2"),
+        (
+            ["--cp", "16"],
+            "leaves 2 tokens a rank, fewer than KDA's short convolution reads from the previous rank (3)",
+        ),
         (["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2"),
         (["--resume", "--checkpoint-dir", "{tmp}/none"], "no checkpoint (step-N folder) to resume from"),
         (["--data", "stdlib"], "--data stdlib needs a tokenizer"),

@@ -35,11 +35,13 @@ from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...ops.depth_attention import depth_attention, depth_attention_weights, push_depth_output
 from ...ops.kda import chunk_kda, recurrent_kda
+from ...ops.kda_context import chunk_kda_context_parallel
 from ...ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from ...ops.mxfp4_matmul import mxfp4_grouped_linear
 from ..hub_kimi import RemoteCodeMixin
 from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
+from .context_kimi_hybrid import ContextParallelism, SequenceShard, check_context_parallel, shard_for_forward
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, check_parallel_layout
 from .pipeline_kimi_hybrid import prune_to_active_stage
@@ -248,13 +250,19 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         self.o_norm = KimiHybridGatedRMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.o_proj = nn.Linear(dim, hidden, bias=False)
 
-    def _convolve(self, x: torch.Tensor, cache: Cache | None, packed: PackedSequences | None):
-        """q, k, v projections through their short convolutions; keeps the last W-1 inputs in the cache."""
+    def _convolve(
+        self, x: torch.Tensor, cache: Cache | None, packed: PackedSequences | None, context: SequenceShard | None
+    ):
+        """q, k, v projections through their short convolutions; keeps the last W-1 inputs in the cache. Under
+        context parallelism the W-1 inputs before this rank's first token come from the previous rank."""
         mixed = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], dim=-1)  # [B, T, 3D]
         caching = cache is not None and self.conv_size > 1
         prev = cache.get_conv_state(self.layer_idx) if caching else None  # [B, 3D, W-1], updated in place below
         left = (None,) * 3 if prev is None else prev.transpose(1, 2).chunk(3, -1)
         pos = packed.pos_in_doc if packed is not None else None
+        if context is not None and self.conv_size > 1:
+            left = context.left_context(mixed, self.conv_size - 1).chunk(3, -1)  # [B, W-1, 3D]
+            pos = context.pos_in_doc  # global positions: taps into the previous rank's part of a document count
         convs = (self.q_conv1d, self.k_conv1d, self.v_conv1d)
         out = [conv(m, l, pos) for m, l, conv in zip(mixed.chunk(3, -1), left, convs)]
         if caching:
@@ -267,13 +275,14 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
         packed: PackedSequences | None = None,
+        context: SequenceShard | None = None,
         **kwargs,
     ):
         if attention_mask is not None:  # 2D padding mask: padded tokens become no-ops (k = v = 0)
             hidden_states = hidden_states * attention_mask[:, :, None].to(hidden_states.dtype)
         B, T, _ = hidden_states.shape
         shape = (B, T, -1, self.head_dim)  # -1: this rank's heads under tensor parallelism
-        q, k, v = (t.view(shape) for t in self._convolve(hidden_states, past_key_values, packed))
+        q, k, v = (t.view(shape) for t in self._convolve(hidden_states, past_key_values, packed, context))
         # raw forget input and beta logits: the gate activation, sigmoid and q/k L2 norm run inside the
         # KDA op (fused into the Triton kernels on CUDA, in fp32 torch on CPU)
         f = self.f_b_proj(self.f_a_proj(hidden_states)).view(shape)
@@ -289,7 +298,14 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
             fused.update(safe_gate=True, lower_bound=self.lower_bound)
         state = past_key_values.get_recurrent_state(self.layer_idx) if past_key_values is not None else None
         cache_state = past_key_values is not None
-        if packed is not None:  # documents as variable-length sequences of one flattened row
+        if context is not None:  # the sequence split over ranks: their state maps composed (ops/kda_context.py)
+            args = (q, k, v, f, beta)
+            cp = dict(group=context.cp.group, continues=context.continues)
+            if packed is not None:
+                args = [t.reshape(1, B * T, *t.shape[2:]) for t in args]
+                cp.update(cu_seqlens=packed.cu_seqlens, first_seq=context.first_doc, last_seq=packed.last_doc)
+            o, S = chunk_kda_context_parallel(*args, **cp, **fused).view(B, T, *v.shape[2:]), None
+        elif packed is not None:  # documents as variable-length sequences of one flattened row
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, beta)]
             o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=cache_state, **fused)
             o, S = o.view(B, T, *o.shape[2:]), (S[packed.last_doc] if cache_state else None)
@@ -444,6 +460,7 @@ class KimiHybridMLA(nn.Module):
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         past_key_values: Cache | None = None,
+        context: SequenceShard | None = None,
         **kwargs,
     ):
         B, T, _ = hidden_states.shape
@@ -453,6 +470,10 @@ class KimiHybridMLA(nn.Module):
         )
         latent = self.kv_a_layernorm(latent).view(B, 1, T, self.kv_lora_rank)
         k_rope = k_rope.view(B, 1, T, self.qk_rope_head_dim)
+        if context is not None:  # context parallelism: every rank's latent (small), this rank's queries
+            latent, k_rope = context.gather(torch.cat([latent, k_rope], -1), 2).split(
+                [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
+            )
         if past_key_values is not None:  # the cache stores the compressed latent, not per-head keys
             latent, k_rope = past_key_values.update(latent, k_rope, self.layer_idx)
             # absorbed decoding reads kv_b_proj's weight directly: not for a LoRA-wrapped kv_b_proj, nor under
@@ -806,6 +827,7 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         position_ids: torch.LongTensor | None = None,
         past_key_values: Cache | None = None,
         packed: PackedSequences | None = None,
+        context: SequenceShard | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ):
         """hidden_states [B, T, d] -> [B, T, d]; with Attention Residuals (partial sum, completed
@@ -815,8 +837,12 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         def mix(h):
             h = self.input_layernorm(h)
             if self.layer_type == "full_attention":
-                return self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, **kwargs)[0]
-            return self.self_attn(h, attention_mask=attention_mask, past_key_values=past_key_values, packed=packed)
+                return self.self_attn(
+                    h, attention_mask=attention_mask, past_key_values=past_key_values, context=context, **kwargs
+                )[0]
+            return self.self_attn(
+                h, attention_mask=attention_mask, past_key_values=past_key_values, packed=packed, context=context
+            )
 
         if self.block_size is None:
             hidden_states = hidden_states + mix(hidden_states)
@@ -920,6 +946,8 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         if config.resolved_attn_residual_block_size() is not None:  # the last depth attention, before the final norm
             self.final_res = KimiHybridDepthAttention(config.hidden_size, config.rms_norm_eps)
         self.gradient_checkpointing = False
+        # context parallelism (kimi_hf.distributed.context.enable_context_parallel): None, one whole sequence a rank
+        self._context_parallel: ContextParallelism | None = None
         self.post_init()
 
     def positions(self, inputs_embeds, position_ids=None, attention_mask=None, past_key_values=None):
@@ -964,6 +992,7 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
         position_ids: torch.Tensor,
         past_key_values: Cache | None = None,
         packed: PackedSequences | None = None,
+        context: SequenceShard | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Runs the layers `layer_indices` (in order): hidden_states [B, T, d] (with Attention Residuals the partial
@@ -979,6 +1008,7 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
                 position_ids=position_ids,
                 past_key_values=past_key_values,
                 packed=packed,
+                context=context,
                 **kwargs,
             )
             hidden_states, blocks = out if blocks is not None else (out, None)
@@ -1002,10 +1032,18 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             raise ValueError("Pass exactly one of input_ids and inputs_embeds")
         if inputs_embeds is None:
             inputs_embeds = self.embed_tokens(input_ids)
-        if use_cache and past_key_values is None:
-            past_key_values = KimiHybridCache(config=self.config)
-        position_ids, packed = self.positions(inputs_embeds, position_ids, attention_mask, past_key_values)
-        masks = self.layer_masks(inputs_embeds, attention_mask, position_ids, past_key_values, packed)
+        context = None
+        if self._context_parallel is not None:  # this rank's slice of sequences split over a group: no cache
+            B, T = inputs_embeds.shape[:2]
+            check_context_parallel(self.config, T, attention_mask, past_key_values)
+            position_ids, context = shard_for_forward(self._context_parallel, B, T, position_ids, inputs_embeds.device)
+            packed = PackedSequences.from_position_ids(position_ids, B)
+            masks = {"full_attention": context.attention_mask, "linear_attention": None}
+        else:
+            if use_cache and past_key_values is None:
+                past_key_values = KimiHybridCache(config=self.config)
+            position_ids, packed = self.positions(inputs_embeds, position_ids, attention_mask, past_key_values)
+            masks = self.layer_masks(inputs_embeds, attention_mask, position_ids, past_key_values, packed)
         if self.config.resolved_attn_residual_block_size() is not None:
             # (a layer wrapped by torch's checkpoint_wrapper, as accelerate's fsdp_activation_checkpointing does, is
             # still one; transformers' naive pipeline puts placeholders in place of another stage's layers)
@@ -1022,6 +1060,7 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             position_ids,
             past_key_values,
             packed,
+            context,
             **kwargs,
         )
         if blocks is not None:

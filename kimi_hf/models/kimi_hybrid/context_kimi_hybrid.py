@@ -1,0 +1,128 @@
+"""Context parallelism of the hybrid decoder (Kimi Linear and Kimi K3): each rank of a group holds consecutive
+tokens of the same sequences (rank r the r-th of `size` equal slices) and the layers exchange what crosses the cut:
+
+- KDA: the ranks' affine state maps, composed (`kimi_hf.ops.kda_context`: one all-gather of [B, H, K, V + K]);
+- KDA's short convolutions: the previous rank's last W - 1 projected inputs (an all-gather of [B, W - 1, 3D]);
+- MLA: the compressed latent of every token (kv_lora_rank + rope values a token: 576 in K3), gathered, so each rank
+  attends its queries over the whole sequence with a causal, per-document mask in global positions;
+- the depth attention, norms, MoE and the loss are per token: nothing to exchange.
+
+Packed documents (position_ids restarting at 0) may cross the cut: the positions say whether a rank's first document
+continues the previous rank's. What is refused (ValueError, before any layer runs): a padding attention_mask (pack
+instead), a cache (generation), an attention implementation other than sdpa / eager, slices shorter than the short
+convolution's context. See docs/parallelism.md ("Context parallelism").
+
+Part of the flat, Hub-copyable model folder: torch and torch.distributed only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ...ops.kda_context import all_gather_sequence
+
+
+CP_ATTENTION = ("sdpa", "eager")  # with QK-Clip's recording wrappers of them (names ending so)
+
+
+@dataclass
+class ContextParallelism:
+    """The group whose ranks split each sequence (rank order = token order); set on the decoder by
+    `kimi_hf.distributed.context.enable_context_parallel`."""
+
+    group: object
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+
+@dataclass
+class SequenceShard:
+    """This rank's slice of the sequences, computed once per forward (`shard_for_forward`).
+
+    pos_in_doc [B, T]: each token's position in its document (global: it counts the earlier ranks' tokens);
+    continues [R]: whether row r's first document continues the previous rank's (R = B);
+    first_doc [R]: the index of each row's first document among the packed ones (0 .. R - 1 unpacked);
+    attention_mask [B, 1, T, size * T] bool: MLA's causal, per-document mask of this rank's queries.
+    """
+
+    cp: ContextParallelism
+    pos_in_doc: torch.Tensor
+    continues: torch.Tensor
+    first_doc: torch.Tensor
+    attention_mask: torch.Tensor
+
+    def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """Every rank's x concatenated along `dim` in rank order (differentiable): [.., T, ..] -> [.., size T, ..]."""
+        return all_gather_sequence(x, self.cp.group).movedim(0, dim).flatten(dim, dim + 1)
+
+    def left_context(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """The previous rank's last `width` tokens of x [B, T, C] -> [B, width, C]. Rank 0 gets the last rank's:
+        its first tokens start a document (pos_in_doc 0, 1, ..), so the convolution masks them out; reading them
+        keeps the all-gather's backward (an all-reduce) on every rank, as collectives must be."""
+        return all_gather_sequence(x[:, -width:], self.cp.group)[self.cp.rank - 1]
+
+
+def check_context_parallel(config, seq_len: int, attention_mask, past_key_values):
+    """ValueError for what context parallelism does not run, before any layer does."""
+    impl = config._attn_implementation or "sdpa"
+    if not impl.endswith(CP_ATTENTION):
+        raise ValueError(
+            f"context parallelism: attn_implementation {impl!r} is not supported (MLA gathers the latent and runs "
+            f"with an explicit mask: use one of {CP_ATTENTION})"
+        )
+    if past_key_values is not None:  # (use_cache alone builds no cache here)
+        raise ValueError("context parallelism runs whole sequences (training, scoring): no past_key_values / cache")
+    if attention_mask is not None and not (attention_mask.ndim == 2 and bool(attention_mask.all())):
+        raise ValueError(
+            "context parallelism: a padding attention_mask is not supported; pack the sequences (position_ids "
+            "restarting at 0) instead"
+        )
+    width = config.linear_conv_kernel_dim - 1
+    if "linear_attention" in config.layer_types and seq_len < width:
+        raise ValueError(
+            f"context parallelism: this rank's slice holds {seq_len} tokens, fewer than the short convolution's "
+            f"left context ({width}); use fewer context-parallel ranks or longer sequences"
+        )
+
+
+def shard_for_forward(
+    cp: ContextParallelism, batch_size: int, seq_len: int, position_ids: torch.Tensor | None, device
+) -> tuple[torch.Tensor, SequenceShard]:
+    """(position_ids [1 or B, T], the SequenceShard) for this rank's T tokens. position_ids: this rank's slice of
+    the global positions (restarting at 0 for packed documents); None: one sequence a row, split evenly."""
+    rank, size = cp.rank, cp.size
+    if position_ids is None:
+        position_ids = (torch.arange(seq_len, device=device) + rank * seq_len).unsqueeze(0)
+    pos = position_ids.expand(batch_size, seq_len)
+    everyone = all_gather_sequence(pos.contiguous(), cp.group)  # [size, B, T] (no gradient: integers)
+    if (everyone.shape[-1] != seq_len) or everyone.shape[1] != batch_size:
+        raise ValueError("context parallelism: every rank must hold the same number of rows and tokens")
+    full = everyone.movedim(0, 1).flatten(1, 2)  # [B, size T] global positions
+    # documents: a new one wherever the position does not follow the previous token's (as transformers' packing)
+    starts = torch.ones_like(full, dtype=torch.bool)
+    starts[:, 1:] = full[:, 1:] != full[:, :-1] + 1
+    doc = starts.cumsum(1)
+    t = torch.arange(size * seq_len, device=device).expand_as(full)
+    in_doc = t - torch.where(starts, t, torch.zeros_like(t)).cummax(1).values  # position inside the document
+    rows = torch.arange(seq_len, device=device) + rank * seq_len
+    mine = doc[:, rows]  # [B, T]
+    causal = torch.arange(size * seq_len, device=device)[None, :] <= rows[:, None]  # [T, size T]
+    mask = (causal[None] & (doc[:, None, :] == mine[:, :, None]))[:, None]
+    continues = (starts[:, rank * seq_len] == 0) if rank > 0 else torch.zeros(batch_size, dtype=torch.bool)
+    local_starts = starts[:, rows].clone()
+    local_starts[:, 0] = True
+    first_doc = torch.cat([local_starts.new_zeros(1, dtype=torch.long), local_starts.sum(1).cumsum(0)[:-1]])
+    shard = SequenceShard(cp, in_doc[:, rows], continues.to(device), first_doc.to(device), mask)
+    return position_ids, shard
+
+
+__all__ = ["CP_ATTENTION", "ContextParallelism", "SequenceShard", "check_context_parallel", "shard_for_forward"]

@@ -28,7 +28,7 @@ BATCH, SEQ = 2, 24
 class Case:
     name: str
     arch: str  # "k3" (Block AttnRes, safe gate, gated MLA), "hybrid" (Kimi Linear's layers, no AttnRes)
-    documents: tuple[int, ...] = ()  # packed: the lengths of the documents of one row (2 ranks: 48 tokens)
+    documents: tuple = ()  # packed: the lengths of the documents of a row (2 ranks: 48 tokens), or of each row
     attn: str = "sdpa"
 
 
@@ -39,6 +39,8 @@ CASES = (
     Case("hybrid", "hybrid", attn="eager"),
     # the boundary on a document start; a document shorter than the short convolution's taps
     Case("hybrid_packed", "hybrid", (24, 2, 22)),
+    # two packed rows: one cut inside a document, one on a start
+    Case("k3_packed_rows", "k3", ((30, 18), (10, 14, 24)), "sdpa"),
 )
 
 
@@ -55,9 +57,10 @@ def inputs(case: Case, size: int):
     T = SEQ * size
     if not case.documents:
         return torch.randint(3, 97, (BATCH, T), generator=gen), torch.arange(T).expand(BATCH, T)
-    assert sum(case.documents) == T
-    pos = torch.cat([torch.arange(n) for n in case.documents]).unsqueeze(0)
-    return torch.randint(3, 97, (1, T), generator=gen), pos
+    rows = case.documents if isinstance(case.documents[0], tuple) else (case.documents,)
+    assert all(sum(r) == T for r in rows)
+    pos = torch.stack([torch.cat([torch.arange(n) for n in r]) for r in rows])
+    return torch.randint(3, 97, (len(rows), T), generator=gen), pos
 
 
 def labels_of(ids, pos):

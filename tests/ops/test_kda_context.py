@@ -1,7 +1,7 @@
 """`chunk_kda_context_parallel` (kimi_hf.ops.kda_context): on 4 gloo ranks, in fp64, the outputs and the gradients of
 every input (q, k, v, the raw forget input, beta logits, A_log and dt_bias) equal the token loop over the whole
-sequences to 1e-12: rows split over the ranks, and packed documents crossing boundaries (one over three ranks, a
-middle rank wholly inside it), Kimi Linear's gate and K3's safe gate. The state fold on its own against the
+sequences to 1e-12: rows split over the ranks, and two packed rows of documents crossing boundaries (one over three
+ranks, a middle rank wholly inside it; documents starting on a boundary), Kimi Linear's gate and K3's safe gate. The state fold on its own against the
 recurrence written out."""
 
 from __future__ import annotations

@@ -103,9 +103,8 @@ def shard_for_forward(
     if position_ids is None:
         position_ids = (torch.arange(seq_len, device=device) + rank * seq_len).unsqueeze(0)
     pos = position_ids.expand(batch_size, seq_len)
-    everyone = all_gather_sequence(pos.contiguous(), cp.group)  # [size, B, T] (no gradient: integers)
-    if (everyone.shape[-1] != seq_len) or everyone.shape[1] != batch_size:
-        raise ValueError("context parallelism: every rank must hold the same number of rows and tokens")
+    # [size, B, T] (integers: no gradient); every rank holds the same B and T (context_parallel_batch's equal slices)
+    everyone = all_gather_sequence(pos.contiguous(), cp.group)
     full = everyone.movedim(0, 1).flatten(1, 2)  # [B, size T] global positions
     # documents: a new one wherever the position does not follow the previous token's (as transformers' packing)
     starts = torch.ones_like(full, dtype=torch.bool)

@@ -43,6 +43,7 @@ def _base(model: nn.Module) -> nn.Module:
 
 
 def disable_context_parallel(model: nn.Module) -> nn.Module:
+    """Back to whole sequences on every rank (e.g. to evaluate or generate after training); returns the model."""
     decoder_of(model)._context_parallel = None
     return model
 

@@ -85,3 +85,30 @@ def test_short_slices_and_other_attention_are_refused():
         enable_context_parallel(model, None)
     with pytest.raises(TypeError, match="not a kimi_hf hybrid model"):
         enable_context_parallel(torch.nn.Linear(2, 2), None)
+
+
+def test_cp2_x_fsdp2_x_ep2_gradients_match_one_process(tmp_path):
+    """4 ranks: transformers shards a released-layout K3 folder (FSDP2 x EP 2, whole experts over the ep ranks) and
+    each of the two sequences is split over a context-parallel pair of data ranks: the loss and every gradient
+    (gathered from the DTensors) are one process's. fp32 rounding: the largest difference, 1.2e-5 on a gradient whose
+    largest element is 1.05 (layer 0's k_proj, at the end of the backward), is the same without FSDP2 / EP (CP 2 alone)
+    and vanishes in fp64 (3e-16, by hand: FSDP2 refuses fp64 beside the fp32-kept tensors), so the bound is 2e-5
+    absolute plus 1e-5 relative. The vision tower gets exact zeros in one process and no gradient here."""
+    from tests.models.kimi_k3.release_format import tiny_k3_config, write_k3_checkpoint
+
+    from . import cp_ep_worker
+
+    folder, out = tmp_path / "k3", tmp_path / "grads.pt"
+    write_k3_checkpoint(folder, tiny_k3_config(), seed=0, mxfp4=True, shards=3, dtype="float32")
+    torchrun(ROOT / "tests" / "distributed" / "cp_ep_worker.py", [str(folder), str(out)], nproc=4)
+    got, ref = torch.load(out), cp_ep_worker.reference(str(folder))
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+    assert set(got["grads"]) <= set(ref["grads"])
+    for name, grad in ref["grads"].items():
+        if name not in got["grads"]:
+            assert "vision" in name or "projector" in name, name
+            assert not grad.any(), name
+            continue
+        torch.testing.assert_close(got["grads"][name], grad, atol=2 * ATOL, rtol=ATOL, msg=name)
+    experts = [n for n in got["grads"] if "experts.gate_up_proj" in n]
+    assert experts and all(got["grads"][n].abs().max() > 0 for n in experts)  # the experts' gradients came back

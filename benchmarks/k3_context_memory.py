@@ -21,15 +21,17 @@ import sys
 import tempfile
 
 
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
+sys.path.insert(0, HERE)
 
 from common import argument_parser  # noqa: E402
 
 
 CHILD = r"""
-import json, os, sys, threading, time, torch
+import json, os, sys, torch
 import torch.distributed as dist
+from memory_sampler import Peak, status
 from transformers.loss.loss_utils import ForCausalLMLoss
 from kimi_hf import KimiK3ForConditionalGeneration
 from kimi_hf.presets import small_k3_config
@@ -40,20 +42,6 @@ world = int(os.environ.get("WORLD_SIZE", "1"))
 if world > 1:
     dist.init_process_group("gloo")
 rank = dist.get_rank() if world > 1 else 0
-
-def anon():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon"):
-            return int(line.split()[1]) * 1024
-class Peak:
-    def __init__(self):
-        self.peak, self.done = anon(), threading.Event()
-        self.thread = threading.Thread(target=self.run); self.thread.start()
-    def run(self):
-        while not self.done.is_set():
-            self.peak = max(self.peak, anon()); time.sleep(0.002)
-    def stop(self):
-        self.done.set(); self.thread.join(); return max(self.peak, anon())
 
 torch.manual_seed(0)
 cfg = small_k3_config(hidden, layers, vocab_size=512, heads=4, mla_head_dim=32, media_token_id=511, bos_token_id=1,
@@ -72,13 +60,13 @@ saved = [0]
 def pack(t):
     saved[0] += t.numel() * t.element_size()
     return t
-base = anon()
-peak = Peak()
+base = status(("RssAnon",))["RssAnon"]
+peak = Peak(("RssAnon",))
 with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
     logits = model(**inputs, use_cache=False).logits
     loss = ForCausalLMLoss(logits, None, cfg.text_config.vocab_size, num_items_in_batch=T - 1, shift_labels=labels)
 loss.backward()
-top = peak.stop()
+top = peak.stop()["RssAnon"]
 with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
     json.dump({"saved": saved[0], "peak": top - base}, f)
 if world > 1:
@@ -88,7 +76,7 @@ if world > 1:
 
 def measure(T: int, hidden: int, layers: int, ranks: int, checkpointing: bool) -> dict:
     with tempfile.TemporaryDirectory() as out:
-        env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1")
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, HERE]), OMP_NUM_THREADS="1")
         if ranks == 1:
             cmd = [sys.executable, "-c", CHILD]
         else:

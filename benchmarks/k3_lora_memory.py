@@ -28,40 +28,22 @@ import tempfile
 
 
 sys.modules.setdefault("fla", None)
-ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.join(HERE, "..")
 sys.path.insert(0, ROOT)
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
 
 from common import argument_parser  # noqa: E402
 from k3_shaped import add_shape_arguments, write_k3_shaped  # noqa: E402
 
 
 CHILD = r"""
-import json, sys, threading, time, torch
+import json, sys, time, torch
+from memory_sampler import Peak, status  # RssAnon (allocated), VmRSS (that + the shards' mapped pages), bytes
 from peft import LoraConfig, get_peft_model
 from kimi_hf import KimiK3ForConditionalGeneration
 from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
-def status():  # bytes: RssAnon (allocated by the process), VmRSS (that + mapped file pages: the shards it read)
-    out = {}
-    for line in open("/proc/self/status"):
-        key = line.split(":")[0]
-        if key in ("RssAnon", "VmRSS"):
-            out[key] = int(line.split()[1]) * 1024
-    return out
-class Peak:  # the kernel keeps a high-water mark for VmRSS only: both sampled every 2 ms
-    def __init__(self):
-        self.peak, self.done = status(), threading.Event()
-        self.thread = threading.Thread(target=self.run)
-        self.thread.start()
-    def run(self):
-        while not self.done.is_set():
-            self.peak = {k: max(v, self.peak[k]) for k, v in status().items()}
-            time.sleep(0.002)
-    def stop(self):
-        self.done.set()
-        self.thread.join()
-        return self.peak
 folder, fmt, dtype, steps, seq, impl = sys.argv[1], sys.argv[2], getattr(torch, sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
 base = status()
 peak = Peak()
@@ -124,7 +106,13 @@ def main(argv=None):
         results = {}
         for name, (fmt, impl) in RUNS.items():
             cmd = [sys.executable, "-c", CHILD, folder, fmt, args.dtype, str(args.steps), str(args.seq), impl]
-            out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
+            out = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, HERE])},
+            )
             if out.returncode:
                 sys.exit(out.stderr[-4000:])
             results[name] = json.loads(out.stdout.strip().splitlines()[-1])

@@ -203,14 +203,11 @@ def check_context_split(args, text_config) -> None:
     """--cp: the sequence must cut into equal slices at least as long as the short convolution's left context."""
     if args.cp == 1:
         return
+    from kimi_hf.models.kimi_hybrid.context_kimi_hybrid import check_slice_length
+
     if args.seq_len % args.cp:
         raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {args.cp}")
-    width = text_config.linear_conv_kernel_dim - 1
-    if "linear_attention" in text_config.layer_types and args.seq_len // args.cp < width:
-        raise ValueError(
-            f"--seq-len {args.seq_len} over --cp {args.cp} leaves {args.seq_len // args.cp} tokens a rank, fewer than "
-            f"KDA's short convolution reads from the previous rank ({width})"
-        )
+    check_slice_length(text_config, args.seq_len // args.cp, f"--seq-len {args.seq_len} over --cp {args.cp}")
 
 
 class Job:

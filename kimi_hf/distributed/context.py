@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..models.kimi_hybrid.context_kimi_hybrid import CP_ATTENTION, ContextParallelism
+from ..models.kimi_hybrid.context_kimi_hybrid import ContextParallelism, check_attention
 from ..models.kimi_hybrid.pipeline_kimi_hybrid import decoder_of
 
 
@@ -29,11 +29,7 @@ def enable_context_parallel(model: nn.Module, group) -> nn.Module:
     decoder = decoder_of(model) if hasattr(_base(model), "model") else None
     if not hasattr(decoder, "_context_parallel"):
         raise TypeError(f"{type(model).__name__} is not a kimi_hf hybrid model: it has no context parallelism")
-    impl = decoder.config._attn_implementation or "sdpa"
-    if not impl.endswith(CP_ATTENTION):
-        raise ValueError(
-            f"enable_context_parallel: attn_implementation {impl!r} is not supported; load with one of {CP_ATTENTION}"
-        )
+    check_attention(decoder.config, "enable_context_parallel")
     decoder._context_parallel = ContextParallelism(group)
     return model
 

@@ -19,6 +19,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss
 
 import kimi_hf  # noqa: F401  (registers the Kimi classes)
 from kimi_hf.distributed.context import context_parallel_batch, context_parallel_group, enable_context_parallel
+from tests.distributed.cp_worker import labels_of
 
 
 SEQ = 32
@@ -36,17 +37,11 @@ def loss_of(logits, labels, vocab: int, n_items: float):
     return ForCausalLMLoss(logits, None, vocab, num_items_in_batch=n_items, shift_labels=labels)
 
 
-def shifted(ids: torch.Tensor) -> torch.Tensor:
-    labels = torch.full_like(ids, -100)
-    labels[:, :-1] = ids[:, 1:]
-    return labels
-
-
 def reference(folder: str) -> dict:
     model = load(folder).train()
     vocab = model.config.get_text_config().vocab_size
     ids = batch(vocab)
-    labels = shifted(ids)
+    labels = labels_of(ids, torch.arange(SEQ).expand_as(ids))
     loss = loss_of(model(input_ids=ids, use_cache=False).logits, labels, vocab, int((labels != -100).sum()))
     loss.backward()
     return {

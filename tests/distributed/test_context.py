@@ -11,6 +11,7 @@ import torch
 
 from kimi_hf.distributed.context import enable_context_parallel
 from kimi_hf.models.kimi_hybrid.context_kimi_hybrid import ContextParallelism
+from kimi_hf.models.kimi_hybrid.pipeline_kimi_hybrid import decoder_of
 
 from . import cp_worker
 from .launch import ROOT, torchrun
@@ -43,10 +44,6 @@ def test_cp2_matches_one_process(cp_results, case):
     assert any((ref["weights"][n] - before[n]).abs().max() > 1e-4 for n in ref["grads"])
 
 
-def _decoder(model):
-    return model.model.language_model if hasattr(model.model, "language_model") else model.model
-
-
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -59,7 +56,7 @@ def test_refused_inputs_name_the_argument(kwargs, message):
     from kimi_hf.models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
 
     model = cp_worker.build(cp_worker.Case("x", "hybrid"))
-    _decoder(model)._context_parallel = ContextParallelism(None)
+    decoder_of(model)._context_parallel = ContextParallelism(None)
     if kwargs.get("past_key_values") == "cache":
         kwargs = {"past_key_values": KimiHybridCache(config=model.config)}
     with pytest.raises(ValueError, match=message):
@@ -68,9 +65,11 @@ def test_refused_inputs_name_the_argument(kwargs, message):
 
 def test_short_slices_and_other_attention_are_refused():
     model = cp_worker.build(cp_worker.Case("x", "hybrid"))
-    _decoder(model)._context_parallel = ContextParallelism(None)
+    decoder_of(model)._context_parallel = ContextParallelism(None)
     width = model.config.linear_conv_kernel_dim - 1
-    with pytest.raises(ValueError, match=f"holds {width - 1} tokens, fewer than the short convolution's left context"):
+    with pytest.raises(
+        ValueError, match=f"slice holds {width - 1} tokens, fewer than the short convolution's left context"
+    ):
         model(input_ids=torch.randint(3, 90, (1, width - 1)))
     # a kernel registered by the user (as flash / flex ones are): it would get this rank's queries and every key
     from transformers import AttentionInterface

@@ -235,7 +235,7 @@ def test_resume_is_bit_identical(k3_folder, reference, tmp_path):
         (["--cp", "2", "--seq-len", "33"], "--seq-len 33 is not divisible by --cp 2"),
         (
             ["--cp", "16"],
-            "leaves 2 tokens a rank, fewer than KDA's short convolution reads from the previous rank (3)",
+            "--seq-len 32 over --cp 16 holds 2 tokens, fewer than the short convolution's left context (3)",
         ),
         (["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2"),
         (["--resume", "--checkpoint-dir", "{tmp}/none"], "no checkpoint (step-N folder) to resume from"),

@@ -50,14 +50,12 @@ class SequenceShard:
 
     pos_in_doc [B, T]: each token's position in its document (global: it counts the earlier ranks' tokens);
     continues [R]: whether row r's first document continues the previous rank's (R = B);
-    first_doc [R]: the index of each row's first document among the packed ones (0 .. R - 1 unpacked);
     attention_mask [B, 1, T, size * T] bool: MLA's causal, per-document mask of this rank's queries.
     """
 
     cp: ContextParallelism
     pos_in_doc: torch.Tensor
     continues: torch.Tensor
-    first_doc: torch.Tensor
     attention_mask: torch.Tensor
 
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -71,14 +69,27 @@ class SequenceShard:
         return all_gather_sequence(x[:, -width:], self.cp.group)[self.cp.rank - 1]
 
 
-def check_context_parallel(config, seq_len: int, attention_mask, past_key_values):
-    """ValueError for what context parallelism does not run, before any layer does."""
+def check_attention(config, who: str = "context parallelism") -> None:
+    """ValueError unless the attention implementation is one context parallelism runs (MLA gathers the latent and
+    attends with an explicit mask)."""
     impl = config._attn_implementation or "sdpa"
     if not impl.endswith(CP_ATTENTION):
+        raise ValueError(f"{who}: attn_implementation {impl!r} is not supported; use one of {CP_ATTENTION}")
+
+
+def check_slice_length(config, tokens: int, what: str = "this rank's slice") -> None:
+    """ValueError if a rank's slice of `tokens` is shorter than KDA's short convolution reads from the rank before."""
+    width = config.linear_conv_kernel_dim - 1
+    if "linear_attention" in config.layer_types and tokens < width:
         raise ValueError(
-            f"context parallelism: attn_implementation {impl!r} is not supported (MLA gathers the latent and runs "
-            f"with an explicit mask: use one of {CP_ATTENTION})"
+            f"context parallelism: {what} holds {tokens} tokens, fewer than the short convolution's left context "
+            f"({width}) that it reads from the previous rank; use fewer context-parallel ranks or longer sequences"
         )
+
+
+def check_context_parallel(config, seq_len: int, attention_mask, past_key_values) -> None:
+    """ValueError for what context parallelism does not run, before any layer does."""
+    check_attention(config)
     if past_key_values is not None:  # (use_cache alone builds no cache here)
         raise ValueError("context parallelism runs whole sequences (training, scoring): no past_key_values / cache")
     if attention_mask is not None and not (attention_mask.ndim == 2 and bool(attention_mask.all())):
@@ -86,12 +97,7 @@ def check_context_parallel(config, seq_len: int, attention_mask, past_key_values
             "context parallelism: a padding attention_mask is not supported; pack the sequences (position_ids "
             "restarting at 0) instead"
         )
-    width = config.linear_conv_kernel_dim - 1
-    if "linear_attention" in config.layer_types and seq_len < width:
-        raise ValueError(
-            f"context parallelism: this rank's slice holds {seq_len} tokens, fewer than the short convolution's "
-            f"left context ({width}); use fewer context-parallel ranks or longer sequences"
-        )
+    check_slice_length(config, seq_len)
 
 
 def shard_for_forward(
@@ -117,11 +123,16 @@ def shard_for_forward(
     causal = torch.arange(size * seq_len, device=device)[None, :] <= rows[:, None]  # [T, size T]
     mask = (causal[None] & (doc[:, None, :] == mine[:, :, None]))[:, None]
     continues = (starts[:, rank * seq_len] == 0) if rank > 0 else torch.zeros(batch_size, dtype=torch.bool)
-    local_starts = starts[:, rows].clone()
-    local_starts[:, 0] = True
-    first_doc = torch.cat([local_starts.new_zeros(1, dtype=torch.long), local_starts.sum(1).cumsum(0)[:-1]])
-    shard = SequenceShard(cp, in_doc[:, rows], continues.to(device), first_doc.to(device), mask)
+    shard = SequenceShard(cp, in_doc[:, rows], continues.to(device), mask)
     return position_ids, shard
 
 
-__all__ = ["CP_ATTENTION", "ContextParallelism", "SequenceShard", "check_context_parallel", "shard_for_forward"]
+__all__ = [
+    "CP_ATTENTION",
+    "ContextParallelism",
+    "SequenceShard",
+    "check_attention",
+    "check_context_parallel",
+    "check_slice_length",
+    "shard_for_forward",
+]

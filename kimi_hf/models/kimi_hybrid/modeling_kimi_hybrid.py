@@ -301,10 +301,12 @@ class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
         if context is not None:  # the sequence split over ranks: their state maps composed (ops/kda_context.py)
             args = (q, k, v, f, beta)
             cp = dict(group=context.cp.group, continues=context.continues)
-            if packed is not None:
+            if packed is not None:  # each row's first document follows the previous row's last
                 args = [t.reshape(1, B * T, *t.shape[2:]) for t in args]
-                cp.update(cu_seqlens=packed.cu_seqlens, first_seq=context.first_doc, last_seq=packed.last_doc)
-            o, S = chunk_kda_context_parallel(*args, **cp, **fused).view(B, T, *v.shape[2:]), None
+                first = torch.cat([packed.last_doc.new_zeros(1), packed.last_doc[:-1] + 1])
+                cp.update(cu_seqlens=packed.cu_seqlens, first_seq=first, last_seq=packed.last_doc)
+            o = chunk_kda_context_parallel(*args, **cp, **fused).view(B, T, *v.shape[2:])
+            S = None
         elif packed is not None:  # documents as variable-length sequences of one flattened row
             flat = [t.reshape(1, B * T, *t.shape[2:]) for t in (q, k, v, f, beta)]
             o, S = chunk_kda(*flat, cu_seqlens=packed.cu_seqlens, output_final_state=cache_state, **fused)

@@ -7,8 +7,10 @@ of the model, not a shard or the whole.
 For each layout, `torchrun --nproc_per_node 4` (gloo, CPU) runs `from_pretrained(folder, distributed_config=...)`
 with the routed experts resident in MXFP4 (the default), from a model built on the meta device (transformers shards
 it before any weight exists). Layouts, in transformers' DistributedConfig terms (pp x fsdp x tp = pp x efsdp x ep):
-"EP 4" = tp_size 4, ep_size 4 (whole experts, a quarter per rank; the rest by tensor parallelism) and "TP 2 x EP 2"
-= tp_size 2, ep_size 2, fsdp_size 2 (experts halved by EP and halved again by FSDP2, the rest by TP and FSDP2).
+"EP 4" = tp_size 4, ep_size 4 (whole experts, a quarter per rank; the rest by tensor parallelism), "TP 2 x EP 2"
+= tp_size 2, ep_size 2, dp_replicate_size 2 (experts halved by EP, the rest by TP, two replicas) and "PP 2 x EP 2" =
+two pipeline stages, each loaded by `kimi_hf.distributed.load_pipeline_stage` with ep_size 2, fsdp_size 2 (a stage's
+layers, their experts halved by EP; the stage's dense weights whole until FSDP2 shards them after the load).
 Each rank samples its RssAnon (allocated memory) and VmRSS (that plus the pages of the shards it mapped and touched:
 tensors the loader keeps as views of the file count there) every 2 ms during the load (after a warm-up load of a
 tiny folder, so imports are done) and reports the peak growth against the bytes it holds afterwards (its parameters'
@@ -49,10 +51,21 @@ def rss():  # (RssAnon: allocated, VmRSS: allocated + the shards' mapped pages t
         if key in ("RssAnon", "VmRSS"):
             out[key] = int(line.split()[1]) * 1024
     return out["RssAnon"], out["VmRSS"]
-folder, tiny, tp, ep, fsdp = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+folder, tiny, tp, ep, replicas, pp = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
 dist.init_process_group("gloo")
-config = DistributedConfig(tp_size=tp, ep_size=ep, dp_replicate_size=fsdp)
-warm = KimiK3ForConditionalGeneration.from_pretrained(tiny, dtype=torch.bfloat16, distributed_config=config)
+if pp == 1:
+    config = DistributedConfig(tp_size=tp, ep_size=ep, dp_replicate_size=replicas)
+    load = lambda path: KimiK3ForConditionalGeneration.from_pretrained(path, dtype=torch.bfloat16, distributed_config=config)
+else:  # a stage's ranks: ep of them hold its experts, all of them are its data ranks
+    from kimi_hf.distributed import PipelineStageInfo, load_pipeline_stage
+    world = dist.get_world_size()
+    config = DistributedConfig(ep_size=ep, fsdp_size=world // pp)
+    def load(path):
+        layers = KimiK3ForConditionalGeneration.config_class.from_pretrained(path).text_config.num_hidden_layers
+        stage = PipelineStageInfo.split(layers, dist.get_rank() // (world // pp), pp)
+        return load_pipeline_stage(KimiK3ForConditionalGeneration, path, stage, distributed_config=config,
+                                   dtype=torch.bfloat16)
+warm = load(tiny)
 del warm
 gc.collect()
 dist.barrier()
@@ -65,7 +78,7 @@ def sample():
 sampler = threading.Thread(target=sample)
 sampler.start()
 t0 = time.perf_counter()
-model = KimiK3ForConditionalGeneration.from_pretrained(folder, dtype=torch.bfloat16, distributed_config=config)
+model = load(folder)
 seconds = time.perf_counter() - t0
 done.set()
 sampler.join()
@@ -80,7 +93,8 @@ if dist.get_rank() == 0:
 dist.destroy_process_group()
 """
 
-LAYOUTS = {"EP 4": (4, 4, 1), "TP 2 x EP 2": (2, 2, 2)}  # (tp_size, ep_size, dp_replicate_size)
+# (tp_size, ep_size, dp_replicate_size, pipeline stages)
+LAYOUTS = {"EP 4": (4, 4, 1, 1), "TP 2 x EP 2": (2, 2, 2, 1), "PP 2 x EP 2": (1, 2, 1, 2)}
 
 
 def free_port() -> int:
@@ -106,9 +120,9 @@ def main(argv=None):
             with open(worker, "w") as f:
                 f.write(WORKER)
             rows = []
-            for name, (tp, ep, fsdp) in LAYOUTS.items():
+            for name, sizes in LAYOUTS.items():
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4"]
-                cmd += ["--master_port", str(free_port()), worker, folder, tiny, str(tp), str(ep), str(fsdp)]
+                cmd += ["--master_port", str(free_port()), worker, folder, tiny, *map(str, sizes)]
                 env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
                 out = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
                 if out.returncode:
@@ -123,10 +137,11 @@ def main(argv=None):
         "VmRSS (+ touched shard pages) | VmRSS peak / share | seconds |"
     )
     print("|---|---|---|---|---|---|---|---|")
+    whole = max(r["whole"] for _, ranks in rows for r in ranks)  # (a pipeline stage's model is its part of it)
     for name, ranks in rows:
         for r in ranks:
             print(
-                f"| {name} | {r['rank']} | {mb(r['held'])} of {mb(r['whole'])} | {mb(r['anon'])} | "
+                f"| {name} | {r['rank']} | {mb(r['held'])} of {mb(whole)} | {mb(r['anon'])} | "
                 f"**{r['anon'] / r['held']:.2f}x** | {mb(r['rss'])} | {r['rss'] / r['held']:.2f}x | {r['seconds']:.1f} |"
             )
 

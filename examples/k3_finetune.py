@@ -234,6 +234,11 @@ class Job:
                 f"--micro-batches {args.micro_batches} over {self.dp} data ranks leaves {self.local_micro} a rank, "
                 f"fewer than the --pp {args.pp} stages the 1F1B schedule needs"
             )
+        if args.lora and args.tp > 1:
+            raise ValueError(
+                f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
+                "--ep / --fsdp / --pp for LoRA, or --full"
+            )
         if args.pp > 1 or args.tp == args.ep == 1:
             self._build_fsdp_pipeline()
         else:
@@ -242,14 +247,23 @@ class Job:
         if args.cp > 1:
             from kimi_hf.distributed.context import context_parallel_group, enable_context_parallel
 
-            self.cp_group = context_parallel_group(self.data_rank, args.cp, self.tp_rank)
+            pp_rank = self.stage.index if self.stage is not None else 0
+            self.cp_group = context_parallel_group(self.data_rank, args.cp, self.tp_rank, pp_rank)
             enable_context_parallel(self.model, self.cp_group)
 
     def _build_fsdp_pipeline(self):
-        """pp > 1 (stages on mesh["pp"]), or only data parallelism: FSDP2 over the data ranks, after LoRA."""
+        """pp > 1 (stages on mesh["pp"], each with its experts over --ep of its data ranks, or tensor-parallel over
+        its --tp ranks), or only data parallelism: FSDP2 over the data ranks, after LoRA."""
         from torch.distributed.fsdp import fully_shard
+        from transformers.distributed import DistributedConfig
 
-        from kimi_hf.distributed import CausalLMLoss, PipelineStageInfo, build_schedule, load_pipeline_stage
+        from kimi_hf.distributed import (
+            CausalLMLoss,
+            PipelineStageInfo,
+            build_schedule,
+            load_pipeline_stage,
+            shard_stage,
+        )
         from kimi_hf.distributed.mesh import data_mesh, data_rank
         from kimi_hf.distributed.pipeline import KimiPipelineStageModule, decoder_of
 
@@ -260,23 +274,38 @@ class Job:
         layers = config.get_text_config().num_hidden_layers
         self.stage = PipelineStageInfo.split(layers, pp_rank, args.pp) if args.pp > 1 else None
         if self.stage is not None:
-            model = load_pipeline_stage(cls, args.model, self.stage, **kwargs)
+            # --ep / --tp: transformers shards each stage over its own ranks as it loads
+            inside = None
+            if args.ep > 1 or args.tp > 1:
+                inside = DistributedConfig(
+                    tp_size=args.tp, ep_size=args.ep, fsdp_size=args.fsdp, dp_replicate_size=self.dp // args.fsdp
+                )
+            model = load_pipeline_stage(cls, args.model, self.stage, distributed_config=inside, **kwargs)
         else:
             model = cls.from_pretrained(args.model, **kwargs)
         model = prepare(model.to(self.device), args, config)
-        self.model, self.sync_adapters, self.tp_rank = model, False, 0
+        self.model, self.sync_adapters = model, False
+        self.tp_rank = self.mesh["tp"].get_local_rank() if self.mesh is not None else 0
         self.data_rank = data_rank(self.mesh) if self.mesh is not None else 0
         dmesh = data_mesh(self.mesh) if self.mesh is not None else None
+        # the ranks that hold this rank's layers (QK-Clip's maxima, expert loads, Newton-Schulz work): a stage's data
+        # ranks, or its tensor-parallel ranks (with --tp a stage has no data parallelism)
         self.replica_group = dmesh.get_group() if dmesh is not None and dmesh.ndim == 1 else None
         if dmesh is not None and dmesh.ndim > 1:
             self.replica_group = dmesh._flatten().get_group()
+        if args.tp > 1:
+            self.replica_group = self.mesh["tp"].get_group()
         module = KimiPipelineStageModule(model, self.stage) if self.stage is not None else model
         if dmesh is not None and dmesh.size() > 1:
-            decoder = decoder_of(model)
-            for i in self.stage.layers if self.stage is not None else range(layers):
-                fully_shard(decoder.layers[i], mesh=dmesh)
-            fully_shard(module, mesh=dmesh)
-        self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp)
+            if self.stage is not None:
+                module = shard_stage(model, self.stage, dmesh)
+            else:
+                decoder = decoder_of(model)
+                for i in range(layers):
+                    fully_shard(decoder.layers[i], mesh=dmesh)
+                fully_shard(module, mesh=dmesh)
+        # --cp: the last stage's targets are its slice of labels shifted before the split
+        self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp, shifted=args.cp > 1)
         self.schedule = None
         if self.stage is not None:
             self.schedule = build_schedule(
@@ -287,7 +316,7 @@ class Job:
                 self.loss_fn,
                 args.schedule,
                 micro_batch=args.micro_batch,
-                seq_len=args.seq_len,
+                seq_len=args.seq_len // args.cp,
                 device=self.device,
             )
 
@@ -298,11 +327,6 @@ class Job:
         from kimi_hf.distributed import CausalLMLoss
 
         args, config = self.args, self.config
-        if args.lora and args.tp > 1:
-            raise ValueError(
-                f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
-                "--ep / --fsdp / --pp for LoRA, or --full"
-            )
         replicate = self.world // (args.tp * args.fsdp)
         dc = DistributedConfig(tp_size=args.tp, ep_size=args.ep, fsdp_size=args.fsdp, dp_replicate_size=replicate)
         model = model_class(config).from_pretrained(args.model, distributed_config=dc, **load_kwargs(args, config))
@@ -330,16 +354,22 @@ class Job:
         rows, batch = x.shape[0] // self.batches, self.data_rank // args.cp
         local = x[batch * rows : (batch + 1) * rows]
         if self.schedule is not None:
-            losses = []
+            losses, inputs, target = [], local, local
+            if self.cp_group is not None:  # this rank's slice of each sequence, the labels shifted before the cut
+                from kimi_hf.distributed.context import context_parallel_batch
+
+                part = context_parallel_batch(local, self.cp_group)
+                inputs, target = part["input_ids"], part["shift_labels"]
             if self.stage.is_first:
-                self.schedule.step(local)
+                self.schedule.step(inputs)
             elif self.stage.is_last:
-                self.schedule.step(target=local, losses=losses)
+                self.schedule.step(target=target, losses=losses)
             else:
                 self.schedule.step()
             if not self.stage.is_last:
                 return torch.zeros((), device=self.device)
-            return torch.stack([loss.detach() for loss in losses]).sum() / self.dp
+            # (the --tp ranks of the last stage computed the same loss)
+            return torch.stack([loss.detach() for loss in losses]).sum() / (self.dp * args.tp)
         total = torch.zeros((), device=self.device)
         for mb in local.split(args.micro_batch):
             mb = mb.to(self.device)

@@ -9,6 +9,7 @@ from .pipeline import (
     build_schedule,
     load_pipeline_stage,
     prune_to_stage,
+    shard_stage,
     stage_layer_ranges,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "build_schedule",
     "load_pipeline_stage",
     "prune_to_stage",
+    "shard_stage",
     "stage_layer_ranges",
 ]

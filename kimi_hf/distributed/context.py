@@ -44,25 +44,26 @@ def disable_context_parallel(model: nn.Module) -> nn.Module:
     return model
 
 
-def context_parallel_group(data_rank: int, cp: int, tp_rank: int = 0):
+def context_parallel_group(data_rank: int, cp: int, tp_rank: int = 0, pp_rank: int = 0):
     """This rank's context-parallel group (collective: every rank calls it). The parallelism engines (FSDP2,
     transformers' tensor / expert parallelism) see data ranks 0 .. n-1; context parallelism splits each batch over
     `cp` consecutive ones: data ranks d with the same d // cp (and the same tensor-parallel rank: they must hold the
-    same heads) form a group, in the order of d % cp (the order of the sequence's slices)."""
+    same heads; the same pipeline stage: they must hold the same layers) form a group, in the order of d % cp (the
+    order of the sequence's slices)."""
     world = dist.get_world_size()
-    mine = torch.tensor([data_rank // cp, tp_rank, data_rank % cp, dist.get_rank()])
+    mine = torch.tensor([data_rank // cp, tp_rank, pp_rank, data_rank % cp, dist.get_rank()])
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine)
-    members: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for batch, tp, part, rank in (t.tolist() for t in everyone):
-        members.setdefault((batch, tp), []).append((part, rank))
+    members: dict[tuple[int, int, int], list[tuple[int, int]]] = {}
+    for batch, tp, pp, part, rank in (t.tolist() for t in everyone):
+        members.setdefault((batch, tp, pp), []).append((part, rank))
     group = None
     for key in sorted(members):  # every rank creates every group, in one order (new_group is collective)
         parts = sorted(members[key])
         if [p for p, _ in parts] != list(range(cp)):
             raise ValueError(f"context parallelism: the data ranks do not form groups of --cp {cp} ({parts})")
         created = dist.new_group([r for _, r in parts])
-        if key == (data_rank // cp, tp_rank):
+        if key == (data_rank // cp, tp_rank, pp_rank):
             group = created
     return group
 

@@ -4,13 +4,16 @@ dividing the world, the heads, the experts; a pipeline stage without layers) mad
 
     layout = TrainingLayout(pp=2, fsdp=2)
     layout.check(world_size, text_config)                 # ValueError naming the size
-    mesh = layout.build_mesh("cpu")                       # DeviceMesh ("pp", "dp_replicate", "fsdp")
+    mesh = layout.build_mesh("cpu")                       # DeviceMesh ("pp", "dp_replicate", "fsdp", "tp")
 
 What runs on which mesh (docs/parallelism.md):
 - cp > 1: every cp consecutive data ranks split one batch's sequences (kimi_hf.distributed.context); the engines
   below see them as data ranks (their gradients are reduced with the others');
 - pp > 1: each stage's rank group is mesh["pp"]; a stage is fully sharded over ("dp_replicate", "fsdp") (HSDP when
-  both are > 1) with torch's fully_shard; tp and ep are 1.
+  both are > 1) with torch's fully_shard (kimi_hf.distributed.pipeline.shard_stage); with ep > 1 transformers'
+  expert parallelism shards the stage's experts over ep of its data ranks as it loads (load_pipeline_stage); with
+  tp > 1 transformers' tensor (and expert) parallelism shard the stage over its ranks, which then are all tensor-
+  parallel (world = pp x tp).
 - pp == 1: tensor / expert parallelism are transformers' (DistributedConfig(tp_size, ep_size, ...)), on its own
   mesh; without them the model is fully sharded over ("dp_replicate", "fsdp").
 """
@@ -41,15 +44,6 @@ class TrainingLayout:
         for name, size in asdict(self).items():
             if not isinstance(size, int) or isinstance(size, bool) or size < 1:
                 raise ValueError(f"--{name} must be a positive integer, got {size!r}")
-        if self.cp > 1 and self.pp > 1:
-            raise ValueError(
-                f"--cp {self.cp} with --pp {self.pp}: context parallelism runs without pipeline stages in this version"
-            )
-        if self.pp > 1 and (self.tp > 1 or self.ep > 1):
-            raise ValueError(
-                f"--pp {self.pp} with --tp {self.tp} / --ep {self.ep}: pipeline stages run with FSDP2 data "
-                "parallelism (--fsdp) in this version; tensor / expert parallelism run without --pp"
-            )
         if self.tp > 1 and self.fsdp > 1:
             raise ValueError(
                 f"--tp {self.tp} with --fsdp {self.fsdp}: transformers 5.24's loader cannot cut tensors with a size-1 "
@@ -61,6 +55,11 @@ class TrainingLayout:
             replicate = check_layout(layout, world_size, text_config, experts_format)
         except ValueError as e:  # the planner says --gpus; a launched job has a world size
             raise ValueError(str(e).replace("--gpus", "the world size")) from None
+        if self.pp > 1 and self.tp > 1 and world_size != self.pp * self.tp:
+            raise ValueError(
+                f"--pp {self.pp} with --tp {self.tp} on {world_size} ranks: tensor parallelism inside a pipeline stage "
+                f"runs without data parallelism in this version (the world size must be pp x tp = {self.pp * self.tp})"
+            )
         data = self.data_ranks(world_size)
         if data % self.cp:
             raise ValueError(
@@ -79,18 +78,22 @@ class TrainingLayout:
         return self.data_ranks(world_size) // self.cp
 
     def build_mesh(self, device_type: str, world_size: int | None = None):
-        """DeviceMesh ("pp", "dp_replicate", "fsdp") over the world (pp > 1, or pp == tp == ep == 1)."""
+        """DeviceMesh ("pp", "dp_replicate", "fsdp", "tp") over the world (pp > 1, or pp == tp == ep == 1): the
+        dimensions of transformers' dense mesh, in its order, so that the ranks of a stage, a data rank and a
+        tensor-parallel group are the same in both."""
         from torch.distributed.device_mesh import init_device_mesh
 
         world = dist.get_world_size() if world_size is None else world_size
-        replicate = world // (self.pp * self.fsdp)
+        replicate = world // (self.pp * self.fsdp * self.tp)
         return init_device_mesh(
-            device_type, (self.pp, replicate, self.fsdp), mesh_dim_names=("pp", "dp_replicate", "fsdp")
+            device_type,
+            (self.pp, replicate, self.fsdp, self.tp),
+            mesh_dim_names=("pp", "dp_replicate", "fsdp", "tp"),
         )
 
 
 def data_mesh(mesh):
-    """The data-parallel sub-mesh of a ("pp", "dp_replicate", "fsdp") mesh: 2-D (HSDP's replicate x shard) when
+    """The data-parallel sub-mesh of a ("pp", "dp_replicate", "fsdp", "tp") mesh: 2-D (HSDP's replicate x shard) when
     both sizes are > 1, else the one that is (FSDP2 shards over it)."""
     replicate, shard = mesh["dp_replicate"].size(), mesh["fsdp"].size()
     if replicate > 1 and shard > 1:
@@ -99,7 +102,7 @@ def data_mesh(mesh):
 
 
 def data_rank(mesh) -> int:
-    """This rank's index among the data ranks of a ("pp", "dp_replicate", "fsdp") mesh."""
+    """This rank's index among the data ranks of a ("pp", "dp_replicate", "fsdp", "tp") mesh."""
     return mesh["dp_replicate"].get_local_rank() * mesh["fsdp"].size() + mesh["fsdp"].get_local_rank()
 
 

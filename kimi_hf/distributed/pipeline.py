@@ -3,7 +3,8 @@ included (the stage boundary carries the partial sum and the completed depth blo
 
     stage = PipelineStageInfo.split(num_layers, pp_rank, pp_size)
     model = load_pipeline_stage(AutoModelForCausalLM, path, stage)   # reads only this stage's tensors
-    schedule = build_schedule(model, stage, pp_group, n_microbatches=4, loss_fn=CausalLMLoss(vocab_size, n_tokens))
+    module = shard_stage(model, stage, data_mesh)                      # FSDP2 over the stage's data ranks
+    schedule = build_schedule(module, stage, pp_group, n_microbatches=4, loss_fn=CausalLMLoss(vocab_size, n_tokens))
     schedule.step(input_ids) / schedule.step() / schedule.step(target=labels, losses=losses)   # first / middle / last
 
 See docs/parallelism.md.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models.kimi_hybrid.modeling_kimi_hybrid import _RoutedExperts
 from ..models.kimi_hybrid.pipeline_kimi_hybrid import (
     KimiPipelineStageModule,
     PipelineStageInfo,
@@ -30,27 +32,97 @@ from ..models.kimi_hybrid.pipeline_kimi_hybrid import (
 SCHEDULES = ("gpipe", "1f1b")
 
 
-def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, **kwargs) -> nn.Module:
+def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, distributed_config=None, **kwargs) -> nn.Module:
     """`model_class.from_pretrained(path, **kwargs)` holding only `stage`'s part: the model is built on the meta
     device, pruned to the stage (`prune_to_stage`) and then loaded, so a rank reads and allocates its stage's
     tensors only (the released K3 layout and its MXFP4 experts as in a whole load). `output_loading_info=True`
     returns (model, loading info) as from_pretrained does: the other stages' tensors are neither missing nor
-    unexpected."""
+    unexpected.
+
+    `distributed_config`, a transformers DistributedConfig of one stage's ranks (pp_size 1: the pipeline's is the
+    split's), shards the stage as it loads, each rank reading its part only:
+    - DistributedConfig(ep_size=E, fsdp_size=F, dp_replicate_size=R) (F x R = world / pp: the stage's data ranks):
+      expert parallelism, num_experts / E whole experts of the stage's layers a rank, exchanged by transformers'
+      token dispatch over E of the stage's ranks; FSDP2 of the rest is `shard_stage`'s, after the load (and LoRA);
+    - DistributedConfig(tp_size=T[, ep_size=T]) (T = world / pp): tensor parallelism inside the stage (transformers'
+      TP plan: heads, intermediate widths; with ep_size the experts whole over the same ranks); the stage's ranks are
+      its tensor-parallel ranks (no data parallelism inside a stage with TP in this version)."""
     from transformers.distributed import DistributedConfig
 
-    if "distributed_config" in kwargs or "tp_plan" in kwargs:
+    if "tp_plan" in kwargs:
         raise ValueError(
-            "load_pipeline_stage does not take distributed_config / tp_plan: shard the stage after loading "
-            "(kimi_hf.distributed.parallelize)"
+            "load_pipeline_stage does not take tp_plan: pass distributed_config=DistributedConfig(tp_size=)"
         )
-    with loading_stage(stage):
+    if distributed_config is not None:
+        check_stage_config(distributed_config)
+    else:
         # an all-1 DistributedConfig builds no mesh but makes from_pretrained call maybe_distribute_model, where
         # the models prune themselves to the active stage before any tensor is read
-        loaded = model_class.from_pretrained(path, distributed_config=DistributedConfig(), **kwargs)
+        distributed_config = DistributedConfig()
+    sharded = distributed_config.ep_size > 1 or distributed_config.tp_size > 1
+    with loading_stage(stage, distributed_config if sharded else None):
+        loaded = model_class.from_pretrained(path, distributed_config=distributed_config, **kwargs)
     model = loaded[0] if kwargs.get("output_loading_info") else loaded
     if getattr(_top(model), "_kimi_pipeline_stage", None) != stage:
         raise TypeError(f"{type(model).__name__} is not a kimi_hf hybrid model: it cannot load one pipeline stage")
     return loaded
+
+
+def check_stage_config(distributed_config) -> None:
+    """TypeError / ValueError (naming the field) for a DistributedConfig that `load_pipeline_stage` does not take."""
+    from transformers.distributed import DistributedConfig
+
+    if not isinstance(distributed_config, DistributedConfig):
+        raise TypeError(
+            f"distributed_config must be a transformers DistributedConfig, got {type(distributed_config).__name__}"
+        )
+    if distributed_config.pp_size != 1:
+        raise ValueError(
+            f"distributed_config.pp_size {distributed_config.pp_size}: a stage's config gives the sizes inside a stage "
+            "(the pipeline's is the split's)"
+        )
+    tp, ep, data = distributed_config.tp_size, distributed_config.ep_size, distributed_config.dp_size
+    if tp == 1 and ep == 1:
+        raise ValueError(
+            "distributed_config with neither ep_size nor tp_size > 1: a stage then loads whole (pass none); FSDP2 of a "
+            "stage is shard_stage's"
+        )
+    if tp > 1 and data > 1:
+        raise ValueError(
+            f"distributed_config.tp_size {tp} with fsdp_size x dp_replicate_size {data}: tensor parallelism inside a "
+            "pipeline stage runs without data parallelism in this version"
+        )
+
+
+def shard_stage(model: nn.Module, stage: PipelineStageInfo, mesh) -> KimiPipelineStageModule:
+    """FSDP2 (torch's fully_shard) of one stage over its data ranks, `mesh` (a 1-D mesh, or 2-D dp_replicate x fsdp
+    for HSDP: `kimi_hf.distributed.mesh.data_mesh`); returns the KimiPipelineStageModule to build the schedule on.
+    Call it after LoRA (the adapters are sharded with their layers).
+
+    A stage loaded with expert parallelism first has its experts sharded over the ranks that hold the same experts
+    (transformers' efsdp mesh), as transformers' own FSDP2 of an EP model does: their gradients sum the tokens of
+    every data rank of the stage (the token dispatch brought them), so they are divided by the data ranks' count
+    rather than efsdp's. Then each decoder layer, then the stage module, the root: the schedule calls its forward."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    top, module = _top(model), KimiPipelineStageModule(model, stage)
+    manager = getattr(top, "_mesh_manager", None)
+    config = getattr(top.config, "distributed_config", None)
+    if manager is not None and config is not None and config.ep_size > 1:
+        replicated = config.dp_replicate_size > 1
+        expert_mesh = manager.get_mesh(("dp_replicate", "efsdp") if replicated else "efsdp")
+        for sub in model.modules():
+            if isinstance(sub, _RoutedExperts) and any(isinstance(p, DTensor) for p in sub.parameters(recurse=False)):
+                fully_shard(sub, mesh=expert_mesh, reshard_after_forward=True)
+                sub.set_gradient_divide_factor(float(config.dp_size))
+                if config.efsdp_size > 1:  # a divide factor other than the group's, applied locally after a sum
+                    sub.set_force_sum_reduction_for_comms(True)
+    decoder = decoder_of(model)
+    for i in stage.layers:
+        fully_shard(decoder.layers[i], mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
 
 
 class CausalLMLoss:
@@ -58,10 +130,12 @@ class CausalLMLoss:
     tokens and divided by `num_items`, the label tokens (not -100) of the whole step (all micro-batches, all data
     ranks) over `grad_divide` (what data parallelism divides the summed gradients by: FSDP2 averages them). The
     micro-batches' losses then add up to one process's mean loss of the step, and the schedule must not scale
-    the gradients again (`scale_grads=False`)."""
+    the gradients again (`scale_grads=False`). `shifted=True`: the labels a schedule passes are already shifted
+    (context parallelism: a rank's slice of labels shifted before the split, `context_parallel_batch`)."""
 
-    def __init__(self, vocab_size: int, num_items: int = 1, grad_divide: int = 1):
+    def __init__(self, vocab_size: int, num_items: int = 1, grad_divide: int = 1, shifted: bool = False):
         self.vocab_size, self.num_items, self.grad_divide = vocab_size, num_items, grad_divide
+        self.shifted = shifted
 
     def __call__(
         self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
@@ -70,6 +144,8 @@ class CausalLMLoss:
         of labels shifted before the split)."""
         from transformers.loss.loss_utils import ForCausalLMLoss
 
+        if self.shifted and shift_labels is None:
+            labels, shift_labels = None, labels
         return ForCausalLMLoss(
             logits,
             labels,
@@ -126,7 +202,9 @@ __all__ = [
     "build_schedule",
     "check_pipeline_model",
     "decoder_of",
+    "check_stage_config",
     "load_pipeline_stage",
     "prune_to_stage",
+    "shard_stage",
     "stage_layer_ranges",
 ]

@@ -204,12 +204,24 @@ class MuonClip(torch.optim.Optimizer):
 
     def _orthogonalize(self, params, updates, ns_steps, ns_dtype):
         """Newton-Schulz of every update (local shapes), work split across ranks when distributed.
-        Counts the matrices this rank orthogonalised in `self.ns_matrices` (last step)."""
+        Counts the matrices this rank orthogonalised in `self.ns_matrices` (last step). A group may mix DTensor
+        parameters (FSDP2, tensor / expert parallelism) and plain ones (the replicated layers of a tensor-parallel
+        model)."""
         ns = lambda u: zeropower_via_newtonschulz5(u, ns_steps, dtype=ns_dtype)  # noqa: E731
-        is_dtensor = DTensor is not None and isinstance(params[0], DTensor)
-        if is_dtensor:
-            self.ns_matrices += len(updates)
-            return [_dtensor_orthogonalize(p, u, ns) for p, u in zip(params, updates)]
+        sharded = [DTensor is not None and isinstance(p, DTensor) for p in params]
+        if any(sharded):
+            out = [None] * len(params)
+            for i in (i for i, s in enumerate(sharded) if s):
+                out[i] = _dtensor_orthogonalize(params[i], updates[i], ns)
+            self.ns_matrices += sum(sharded)
+            plain = [i for i, s in enumerate(sharded) if not s]
+            if plain:
+                for i, o in zip(
+                    plain,
+                    self._orthogonalize([params[i] for i in plain], [updates[i] for i in plain], ns_steps, ns_dtype),
+                ):
+                    out[i] = o
+            return out
         group = self.process_group
         world = dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
         if world == 1:

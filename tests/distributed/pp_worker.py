@@ -1,9 +1,11 @@
 """Run by test_pipeline.py under torchrun (gloo, CPU): train tiny Kimi K3 / Kimi Linear models on a pipeline of
-torch.distributed.pipelining stages (PP 2, or PP 2 x FSDP2 2 on 4 ranks), and write what each rank holds: the
-losses, the first step's gradients and the weights after the last step, by parameter name. `reference(case)` is
-the same training in one process, the whole batch at once.
+torch.distributed.pipelining stages (PP 2, PP 2 x FSDP2 2 on 4 ranks, or PP 2 x FSDP2 2 x EP 2: each stage loaded
+from a saved folder with its experts split over its 2 data ranks, which in some cases also split each sequence
+(context parallelism)), and write what each rank holds: the losses, the
+first step's gradients and the weights after the last step, by parameter name. `reference(case)` is the same
+training in one process, the whole batch at once.
 
-    python -m torch.distributed.run --nproc_per_node 2 pp_worker.py OUT_DIR [--fsdp 2]
+    python -m torch.distributed.run --nproc_per_node 2 pp_worker.py OUT_DIR [--fsdp 2 [--ep 2]]
 """
 
 from __future__ import annotations
@@ -15,10 +17,18 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 
-from kimi_hf.distributed import CausalLMLoss, KimiPipelineStageModule, PipelineStageInfo, build_schedule
-from kimi_hf.distributed.pipeline import decoder_of, prune_to_stage
+from kimi_hf.distributed import (
+    CausalLMLoss,
+    KimiPipelineStageModule,
+    PipelineStageInfo,
+    build_schedule,
+    load_pipeline_stage,
+    shard_stage,
+)
+from kimi_hf.distributed.context import context_parallel_batch, context_parallel_group, enable_context_parallel
+from kimi_hf.distributed.pipeline import prune_to_stage
+from kimi_hf.models.kimi_hybrid.modeling_kimi_hybrid import _RoutedExperts
 from kimi_hf.optim import MuonClip, track_expert_load, update_expert_bias
 
 
@@ -33,6 +43,7 @@ class Case:
     schedule: str
     split: tuple[int, ...] | None  # layers per stage (None: even)
     optimizer: str  # "muonclip" | "adamw"
+    cp: int = 1  # context parallelism: the stage's data ranks split each sequence (kimi_hf.distributed.context)
 
 
 # K3: 4 layers, a block every 2 layers: [1, 3] puts the boundary inside a block, [2, 2] on a block edge
@@ -46,6 +57,14 @@ CASES = (
 FSDP_CASES = (
     Case("k3_1f1b_fsdp_muonclip", "k3", "1f1b", (2, 2), "muonclip"),
     Case("hybrid_gpipe_fsdp_adamw", "hybrid", "gpipe", (1, 3), "adamw"),
+)
+# PP 2 x FSDP2 2 x EP 2: a stage's 2 data ranks hold half of the experts each, their tokens exchanged (all-to-all);
+# with cp 2 the same 2 ranks split each sequence instead of taking half of the batch
+EP_CASES = (
+    Case("k3_1f1b_inside_block_ep_muonclip", "k3", "1f1b", (1, 3), "muonclip"),
+    Case("k3_gpipe_block_edge_ep_cp_adamw", "k3", "gpipe", (2, 2), "adamw", cp=2),
+    Case("hybrid_1f1b_ep_adamw", "hybrid", "1f1b", (2, 2), "adamw"),
+    Case("hybrid_block_1f1b_ep_cp_muonclip", "hybrid_block", "1f1b", (1, 3), "muonclip", cp=2),
 )
 
 
@@ -106,36 +125,67 @@ def reference(case: Case) -> dict:
     return {"losses": losses, "grads": grads, "weights": weights, "clipped": clipped}
 
 
-def run_case(case: Case, mesh, out_dir: str) -> None:
+def load_stage(case: Case, stage: PipelineStageInfo, dp: int, ep: int, out_dir: str):
+    """The stage of the model `build` gives, saved by rank 0 and loaded with its experts over ep data ranks."""
+    from transformers.distributed import DistributedConfig
+
+    folder = os.path.join(out_dir, f"{case.name}.model")
+    model = build(case.arch)
+    if dist.get_rank() == 0:
+        model.save_pretrained(folder)
+    dist.barrier()
+    kwargs = {"experts_format": "dense"} if case.arch == "k3" else {}
+    config = DistributedConfig(ep_size=ep, fsdp_size=dp)
+    loaded = load_pipeline_stage(
+        type(model),
+        folder,
+        stage,
+        distributed_config=config,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        **kwargs,
+    )
+    return loaded.train()
+
+
+def run_case(case: Case, mesh, out_dir: str, ep: int = 1) -> None:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
-    model = build(case.arch)
-    layers = model.config.get_text_config().num_hidden_layers
+    layers = build(case.arch).config.get_text_config().num_hidden_layers
     stage = PipelineStageInfo.split(layers, pp_rank, pp, case.split)
-    prune_to_stage(model, stage)
-    module = KimiPipelineStageModule(model, stage)
-    if dp > 1:
-        for i in stage.layers:
-            fully_shard(decoder_of(model).layers[i], mesh=mesh["dp"])
-        fully_shard(module, mesh=mesh["dp"])
+    if ep > 1:
+        model = load_stage(case, stage, dp, ep, out_dir)
+    else:
+        model = prune_to_stage(build(case.arch), stage)
+    module = shard_stage(model, stage, mesh["dp"]) if dp > 1 else KimiPipelineStageModule(model, stage)
+    # how many experts each of the stage's MoE layers holds on this rank (transformers' EP keeps num_experts / ep)
+    local_experts = sorted({m.num_experts for m in model.modules() if isinstance(m, _RoutedExperts)})
     replicas = mesh["dp"].get_group()
     opt = optimizer(case, model, replicas)
     track_expert_load(model)
-    n_micro = BATCH // dp  # one sequence a micro-batch
-    loss_fn = CausalLMLoss(model.config.get_text_config().vocab_size, grad_divide=dp)
+    cp_group, batches = None, dp // case.cp  # data ranks of distinct sequences
+    if case.cp > 1:
+        cp_group = context_parallel_group(dp_rank, case.cp, pp_rank=pp_rank)
+        enable_context_parallel(model, cp_group)
+    n_micro = BATCH // batches  # one sequence a micro-batch
+    vocab = model.config.get_text_config().vocab_size
+    loss_fn = CausalLMLoss(vocab, grad_divide=dp, shifted=case.cp > 1)
     schedule = build_schedule(
-        module, stage, mesh["pp"].get_group(), n_micro, loss_fn, case.schedule, micro_batch=1, seq_len=SEQ
+        module, stage, mesh["pp"].get_group(), n_micro, loss_fn, case.schedule, micro_batch=1, seq_len=SEQ // case.cp
     )
     losses, grads = [], {}
     for step in range(STEPS):
         x = batch(step)
         loss_fn.num_items = x[:, 1:].numel()  # label tokens of the whole step (every data rank's)
-        local = x[dp_rank::dp]
+        inputs = target = x[dp_rank // case.cp :: batches]
+        if cp_group is not None:  # this rank's slice of each sequence, the labels shifted before the cut
+            part = context_parallel_batch(inputs, cp_group)
+            inputs, target = part["input_ids"], part["shift_labels"]
         mb_losses = []
         if stage.is_first:
-            schedule.step(local)
+            schedule.step(inputs)
         elif stage.is_last:
-            schedule.step(target=local, losses=mb_losses)
+            schedule.step(target=target, losses=mb_losses)
         else:
             schedule.step()
         if step == 0:
@@ -152,7 +202,14 @@ def run_case(case: Case, mesh, out_dir: str) -> None:
     clipped = opt.qk_clip.total_clipped_heads if getattr(opt, "qk_clip", None) else None
     if dp_rank == 0:
         torch.save(
-            {"losses": losses, "grads": grads, "weights": weights, "clipped": clipped, "stage": stage.index},
+            {
+                "losses": losses,
+                "grads": grads,
+                "weights": weights,
+                "clipped": clipped,
+                "stage": stage.index,
+                "local_experts": local_experts,
+            },
             os.path.join(out_dir, f"{case.name}.stage{stage.index}.pt"),
         )
     dist.barrier()
@@ -162,12 +219,14 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out_dir")
     parser.add_argument("--fsdp", type=int, default=1)
+    parser.add_argument("--ep", type=int, default=1)
     args = parser.parse_args()
     dist.init_process_group("gloo")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // args.fsdp, args.fsdp), mesh_dim_names=("pp", "dp"))
-    for case in FSDP_CASES if args.fsdp > 1 else CASES:
-        run_case(case, mesh, args.out_dir)
+    cases = EP_CASES if args.ep > 1 else FSDP_CASES if args.fsdp > 1 else CASES
+    for case in cases:
+        run_case(case, mesh, args.out_dir, args.ep)
     dist.destroy_process_group()
 
 

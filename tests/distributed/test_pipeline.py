@@ -1,7 +1,7 @@
 """Pipeline parallelism (kimi_hf.distributed.pipeline) on gloo ranks against one process: tiny Kimi K3 (Block
 Attention Residuals, the stage boundary inside a block and on a block edge) and Kimi Linear (with and without
-AttnRes), GPipe and 1F1B, MuonClip and AdamW, PP 2 and PP 2 x FSDP2 2; a stage loaded from a folder in the
-released K3 layout holds exactly its part."""
+AttnRes), GPipe and 1F1B, MuonClip and AdamW, PP 2, PP 2 x FSDP2 2 and PP 2 x FSDP2 2 x EP 2; a stage loaded from a
+folder in the released K3 layout holds exactly its part."""
 
 from __future__ import annotations
 
@@ -60,6 +60,20 @@ def test_pp2_x_fsdp2_matches_one_process(tmp_path):
         _check(case, tmp_path)
 
 
+def test_pp2_x_fsdp2_x_ep2_matches_one_process(tmp_path):
+    """4 ranks: 2 stages, each loaded from a saved folder by load_pipeline_stage with transformers' expert
+    parallelism over its 2 data ranks (4 of the 8 / 2 of the 4 experts a rank, tokens exchanged all-to-all) and
+    fully sharded (shard_stage: the experts' gradients divided by the data ranks as transformers' FSDP2 does); in the
+    cases with cp 2 the 2 data ranks also split each sequence (context parallelism inside the stages)."""
+    torchrun(ROOT / "tests" / "distributed" / "pp_worker.py", [str(tmp_path), "--fsdp", "2", "--ep", "2"], nproc=4)
+    for case in pp_worker.EP_CASES:
+        _check(case, tmp_path)
+        total = pp_worker.build(case.arch).config.get_text_config().num_experts
+        parts = _merged(tmp_path, case)[1]
+        held = [p["local_experts"] for p in parts]  # (K3's first layer is dense: a stage of it alone holds none)
+        assert [total // 2] in held and all(h in ([], [total // 2]) for h in held), (case.name, held)
+
+
 # ---- one process: the split, the boundary shapes, bad input ------------------------------------------------------
 def test_stage_layer_ranges():
     assert stage_layer_ranges(5, 2) == [range(0, 3), range(3, 5)]
@@ -106,6 +120,24 @@ def test_bad_pipeline_inputs():
         build_schedule(model, stage, None, 1, None, "1f1b", micro_batch=1, seq_len=8)
     with pytest.raises(ValueError, match="schedule must be one of"):
         build_schedule(model, stage, None, 2, None, "zb", micro_batch=1, seq_len=8)
+
+
+def test_bad_stage_distributed_config(tmp_path):
+    """load_pipeline_stage's distributed_config is checked before anything is read (tmp_path holds no model)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    stage = PipelineStageInfo.split(4, 0, 2)
+    with pytest.raises(TypeError, match="distributed_config must be a transformers DistributedConfig, got dict"):
+        load_pipeline_stage(AutoModelForCausalLM, tmp_path, stage, distributed_config={"ep_size": 2})
+    with pytest.raises(ValueError, match="tp_size 2 with fsdp_size x dp_replicate_size 2"):
+        load_pipeline_stage(
+            AutoModelForCausalLM, tmp_path, stage, distributed_config=DistributedConfig(tp_size=2, fsdp_size=2)
+        )
+    with pytest.raises(ValueError, match="with neither ep_size nor tp_size > 1"):
+        load_pipeline_stage(AutoModelForCausalLM, tmp_path, stage, distributed_config=DistributedConfig(fsdp_size=2))
+    with pytest.raises(ValueError, match="tp_plan"):
+        load_pipeline_stage(AutoModelForCausalLM, tmp_path, stage, tp_plan="auto")
 
 
 def test_load_pipeline_stage_of_a_released_k3_folder(tmp_path):

@@ -1,6 +1,6 @@
 """examples/k3_finetune.py, the fixed interface, on a tiny Kimi K3 in the released layout (MXFP4 experts): the same
-losses on every layout it runs (one process; PP 2 x FSDP2 2; FSDP2 x EP; PP 2 with AdamW), launched by torchrun on one
-and on two "nodes" and by accelerate; a sharded checkpoint resumes bit-identically and onto another layout; bad
+losses on every layout it runs (one process; PP 2 x FSDP2 2; FSDP2 x EP; PP 2 x FSDP2 x EP; CP; PP 2 with AdamW),
+launched by torchrun on one and on two "nodes" and by accelerate; a sharded checkpoint resumes bit-identically and onto another layout; bad
 layouts are one-line errors naming the size."""
 
 from __future__ import annotations
@@ -103,6 +103,18 @@ def test_fsdp2_x_ep_matches_one_process(k3_folder, reference):
     assert_same(reference["full"], torchrun(k3_folder, 2, "--full", "--ep", "2", "--fsdp", "2"))
 
 
+def test_pp2_x_tp2_x_ep2_matches_tp2_x_ep2(k3_folder, reference):
+    """TP x EP x PP on 4 ranks: 2 stages, each tensor-parallel over its 2 ranks with the experts whole over the same
+    ranks. The stages add nothing to tensor parallelism's numbers: the losses of TP 2 x EP 2 on 2 ranks, to 1e-5
+    (observed: equal). TP itself reorders sums: this model's fp32 gradients then differ by ~4e-5 relative (as much as
+    one process's differ from fp64), which MuonClip's orthogonalisation amplifies in the later steps; the first
+    step's loss is one process's."""
+    tensor_parallel = torchrun(k3_folder, 2, "--full", "--tp", "2", "--ep", "2")
+    pipelined = torchrun(k3_folder, 4, "--full", "--pp", "2", "--tp", "2", "--ep", "2")
+    assert_same(tensor_parallel, pipelined)
+    assert pipelined[0] == pytest.approx(reference["full"][0], rel=1e-6)
+
+
 @pytest.mark.parametrize(
     "mode, nproc, layout",
     [
@@ -110,20 +122,22 @@ def test_fsdp2_x_ep_matches_one_process(k3_folder, reference):
         ("full", 4, ["--ep", "2", "--fsdp", "2", "--cp", "2"]),  # CP 2 x FSDP2 x EP 2
         ("full", 4, ["--tp", "2", "--ep", "2", "--cp", "2"]),  # TP 2 x EP 2 x CP 2
         ("lora", 2, ["--cp", "2"]),
+        ("full", 4, ["--pp", "2", "--ep", "2", "--fsdp", "2", "--cp", "2"]),  # PP 2 x FSDP2 2 x EP 2 x CP 2
     ],
-    ids=["cp2", "cp2_fsdp2_ep2", "tp2_ep2_cp2", "lora_cp2"],
+    ids=["cp2", "cp2_fsdp2_ep2", "tp2_ep2_cp2", "lora_cp2", "pp2_fsdp2_ep2_cp2"],
 )
 def test_context_parallel_matches_one_process(k3_folder, reference, mode, nproc, layout):
     """Each sequence split over the --cp ranks (KDA's state maps composed, the short convolutions' left context and
-    MLA's latent exchanged): the losses of one process, the whole sequences at once."""
+    MLA's latent exchanged): the losses of one process, the whole sequences at once. The last layout is the 4-D one:
+    2 pipeline stages, each loaded with its experts over its 2 data ranks, which also split each sequence."""
     assert_same(reference[mode], torchrun(k3_folder, nproc, f"--{mode}", *layout))
 
 
 def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path):
     """Two torchrun "nodes" of 2 processes each meeting at a c10d rendezvous on 127.0.0.1 (what a 2-node cluster job
-    runs, one command a node) train LoRA on PP 2 x FSDP2 2 for 2 of the 3 steps and save a sharded checkpoint; FSDP2 x
-    EP 2 on 2 ranks resumes it (DCP reshards the adapters and MuonClip's momentum) for the last step: the losses are
-    one process's."""
+    runs, one command a node) train LoRA on PP 2 x FSDP2 2 x EP 2 (a stage's resident MXFP4 experts split over its
+    2 data ranks) for 2 of the 3 steps and save a sharded checkpoint; FSDP2 x EP 2 on 2 ranks resumes it (DCP
+    reshards the adapters and MuonClip's momentum) for the last step: the losses are one process's."""
     port, ck = free_port(), tmp_path / "ck"
     cmds = [
         [
@@ -146,6 +160,8 @@ def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path)
             *COMMON,
             "--lora",
             "--pp",
+            "2",
+            "--ep",
             "2",
             "--fsdp",
             "2",
@@ -231,13 +247,11 @@ def test_resume_is_bit_identical(k3_folder, reference, tmp_path):
         (["--pp", "9"], "--pp 9 leaves a pipeline stage without layers"),
         (["--fsdp", "2"], "does not divide the world size 1"),
         (["--cp", "2"], "--cp 2 does not divide the 1 data ranks"),
-        (["--cp", "2", "--pp", "2"], "--cp 2 with --pp 2"),
         (["--cp", "2", "--seq-len", "33"], "--seq-len 33 is not divisible by --cp 2"),
         (
             ["--cp", "16"],
             "--seq-len 32 over --cp 16 holds 2 tokens, fewer than the short convolution's left context (3)",
         ),
-        (["--pp", "2", "--tp", "2"], "--pp 2 with --tp 2"),
         (["--resume", "--checkpoint-dir", "{tmp}/none"], "no checkpoint (step-N folder) to resume from"),
         (["--data", "stdlib"], "--data stdlib needs a tokenizer"),
     ],

@@ -44,7 +44,7 @@ from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .context_kimi_hybrid import ContextParallelism, SequenceShard, check_context_parallel, shard_for_forward
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
 from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, check_parallel_layout
-from .pipeline_kimi_hybrid import prune_to_active_stage
+from .pipeline_kimi_hybrid import distribute_for_stage, prepare_stage_mesh, prune_to_active_stage
 
 
 # from_pretrained of Moonshot's / transformers' Kimi-Linear layout converts at load time (per-expert w1/w2/w3,
@@ -897,6 +897,13 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         return True
 
     @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """transformers' meshes, with the pipeline dimension when one stage loads with expert parallelism
+        (kimi_hf.distributed.load_pipeline_stage: prepare_stage_mesh)."""
+        prepared = prepare_stage_mesh(distributed_config, device_map)
+        return prepared if prepared is not None else super().prepare_distribute_model(distributed_config, device_map)
+
+    @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' parallelism at load time (docs/parallelism.md), after two checks made on every rank at once:
         pipeline parallelism is refused with Attention Residuals (in the forward, a later stage would wait for a
@@ -904,7 +911,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         prune_to_active_stage(model)  # kimi_hf.distributed.load_pipeline_stage: before any tensor is read
         if distributed_config is not None:
             check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config)
-        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        return distribute_for_stage(super().maybe_distribute_model, model, distributed_config, mesh_manager)
 
     @torch.no_grad()
     def _init_weights(self, module):
@@ -980,6 +987,17 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             masks["linear_attention"] = create_recurrent_attention_mask(*mask_args)
         return masks
 
+    def context_positions(self, inputs_embeds, position_ids=None, attention_mask=None, past_key_values=None):
+        """Under context parallelism (`_context_parallel` set), (position_ids, packed, masks, SequenceShard) of this
+        rank's slice inputs_embeds [B, T, d] (kimi_hf.distributed.context): global positions, documents across the
+        cut, MLA's mask over the gathered sequence; ValueError for what it does not run. The whole decoder and a
+        pipeline stage (KimiPipelineStageModule) call it."""
+        B, T = inputs_embeds.shape[:2]
+        check_context_parallel(self.config, T, attention_mask, past_key_values)
+        position_ids, context = shard_for_forward(self._context_parallel, B, T, position_ids, inputs_embeds.device)
+        packed = PackedSequences.from_position_ids(position_ids, B)
+        return position_ids, packed, {"full_attention": context.attention_mask, "linear_attention": None}, context
+
     def start_blocks(self, inputs_embeds: torch.Tensor) -> torch.Tensor | None:
         """The completed depth blocks before the first layer: the embedding as block 0 [1, B, T, d] (None without
         Attention Residuals)."""
@@ -1036,11 +1054,9 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
             inputs_embeds = self.embed_tokens(input_ids)
         context = None
         if self._context_parallel is not None:  # this rank's slice of sequences split over a group: no cache
-            B, T = inputs_embeds.shape[:2]
-            check_context_parallel(self.config, T, attention_mask, past_key_values)
-            position_ids, context = shard_for_forward(self._context_parallel, B, T, position_ids, inputs_embeds.device)
-            packed = PackedSequences.from_position_ids(position_ids, B)
-            masks = {"full_attention": context.attention_mask, "linear_attention": None}
+            position_ids, packed, masks, context = self.context_positions(
+                inputs_embeds, position_ids, attention_mask, past_key_values
+            )
         else:
             if use_cache and past_key_values is None:
                 past_key_values = KimiHybridCache(config=self.config)

@@ -24,7 +24,7 @@ from .configuration_kimi_hybrid import KimiHybridConfig
 from .modeling_kimi_hybrid import KimiHybridTextModel, _cached_length, lm_output
 from .modeling_kimi_hybrid_vision import KimiHybridVisionModel, build_multimodal_projector
 from .parallel_kimi_hybrid import check_parallel_layout
-from .pipeline_kimi_hybrid import prune_to_active_stage
+from .pipeline_kimi_hybrid import distribute_for_stage, prepare_stage_mesh, prune_to_active_stage
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:
@@ -58,6 +58,13 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         return True
 
     @classmethod
+    def prepare_distribute_model(cls, distributed_config, device_map=None):
+        """transformers' meshes, with the pipeline dimension when one stage loads with expert parallelism
+        (kimi_hf.distributed.load_pipeline_stage: prepare_stage_mesh)."""
+        prepared = prepare_stage_mesh(distributed_config, device_map)
+        return prepared if prepared is not None else super().prepare_distribute_model(distributed_config, device_map)
+
+    @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):
         """transformers' parallelism at load time: the decoder takes the text model's plan under
         model.language_model. (the vision tower and projector replicated), with the text model's checks
@@ -65,7 +72,7 @@ class KimiHybridMultimodalPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
         prune_to_active_stage(model)  # kimi_hf.distributed.load_pipeline_stage: before any tensor is read
         if distributed_config is not None:
             check_parallel_layout(model.config.get_text_config(), model.tp_plan, distributed_config, multimodal=True)
-        return super().maybe_distribute_model(model, distributed_config, mesh_manager)
+        return distribute_for_stage(super().maybe_distribute_model, model, distributed_config, mesh_manager)
 
 
 class KimiHybridModel(KimiHybridMultimodalPreTrainedModel):

@@ -148,11 +148,19 @@ def prune_to_stage(model: nn.Module, stage: PipelineStageInfo) -> nn.Module:
     return model
 
 
+@dataclass(frozen=True)
+class _StageLoad:
+    stage: PipelineStageInfo
+    distributed_config: object | None  # a DistributedConfig of a stage's ranks (expert / tensor parallelism), or None
+
+
 @contextlib.contextmanager
-def loading_stage(stage: PipelineStageInfo):
+def loading_stage(stage: PipelineStageInfo, distributed_config=None):
     """Within it, the models' `maybe_distribute_model` (called by from_pretrained between building the model on
-    the meta device and reading its tensors) prunes the model to `stage`."""
-    token = _ACTIVE_STAGE.set(stage)
+    the meta device and reading its tensors) prunes the model to `stage`. `distributed_config` (the one passed to
+    from_pretrained: a transformers DistributedConfig with ep_size or tp_size > 1, its sizes those of a stage's ranks,
+    pp_size 1) makes the load shard the stage over its own ranks (`prepare_stage_mesh`, `expert_parallel_only`)."""
+    token = _ACTIVE_STAGE.set(_StageLoad(stage, distributed_config))
     try:
         yield
     finally:
@@ -161,9 +169,84 @@ def loading_stage(stage: PipelineStageInfo):
 
 def prune_to_active_stage(model: nn.Module) -> None:
     """prune_to_stage(model, the stage of the enclosing `loading_stage`), if any."""
-    stage = _ACTIVE_STAGE.get()
-    if stage is not None and getattr(_top(model), "_kimi_pipeline_stage", None) != stage:
-        prune_to_stage(model, stage)
+    active = _ACTIVE_STAGE.get()
+    if active is not None and getattr(_top(model), "_kimi_pipeline_stage", None) != active.stage:
+        prune_to_stage(model, active.stage)
+
+
+def _stage_config(distributed_config):
+    """The active stage load, if `distributed_config` is the one it shards with."""
+    active = _ACTIVE_STAGE.get()
+    if active is None or active.distributed_config is None or distributed_config is not active.distributed_config:
+        return None
+    return active
+
+
+def prepare_stage_mesh(distributed_config, device_map=None):
+    """(distributed_config, device_map, mesh manager) for from_pretrained in a `loading_stage` with expert / tensor
+    parallelism, else None (transformers prepares the load). transformers' meshes (dense: pp x dp_replicate x fsdp x
+    tp; experts: pp x dp_replicate x efsdp x ep) are built over the whole world with the pipeline dimension added:
+    a stage's ep and efsdp groups are then ranks of that stage. (DistributedConfig itself refuses pp_size > 1 with
+    data parallelism or token dispatch: transformers' own pipeline is a forward-only one.)"""
+    active = _stage_config(distributed_config)
+    if active is None:
+        return None
+    import copy
+
+    from transformers.distributed.utils import initialize_distributed_mesh
+
+    with_stages = copy.copy(distributed_config)
+    with_stages.pp_size = active.stage.num_stages
+    mapped, manager = initialize_distributed_mesh(with_stages)
+    if manager.get_mesh("pp").get_local_rank() != active.stage.index:
+        raise ValueError(
+            f"pipeline stage {active.stage.index} loaded on the rank of stage {manager.get_mesh('pp').get_local_rank()}"
+            " of the mesh (pp x dp_replicate x fsdp, pp outermost)"
+        )
+    return distributed_config, device_map if device_map is not None else mapped, manager
+
+
+def distribute_for_stage(distribute, model: nn.Module, distributed_config, mesh_manager) -> nn.Module:
+    """transformers' `distribute(model, config, mesh_manager)` (the mixin's maybe_distribute_model) given
+    `expert_parallel_only(distributed_config)`; the model then records the config it was loaded with (its
+    data-parallel sizes are the stage's)."""
+    if _stage_config(distributed_config) is not None:
+        _drop_placeholder_rules(model)
+    model = distribute(model, expert_parallel_only(distributed_config), mesh_manager)
+    if mesh_manager is not None:
+        model.config.distributed_config = distributed_config
+    return model
+
+
+def _drop_placeholder_rules(model: nn.Module) -> None:
+    """Removes the TP / EP rules that name a module another stage holds (`lm_head`, `embed_tokens`: replaced by a
+    parameter-free placeholder), which transformers would otherwise try to shard."""
+    from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
+    from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
+
+    held, placeholders = set(), set()
+    for name, module in model.named_modules():
+        (placeholders if isinstance(module, PipelineIdentityLayer) else held).add(
+            replace_layer_number_by_wildcard(name)
+        )
+    for attr in ("_tp_plan", "_ep_plan"):
+        plan = getattr(model, attr, None)
+        if plan:
+            setattr(model, attr, {k: v for k, v in plan.items() if k not in placeholders or k in held})
+
+
+def expert_parallel_only(distributed_config):
+    """What transformers' maybe_distribute_model is given in a `loading_stage` with expert / tensor parallelism: the
+    config with data parallelism off, so that it applies the EP (and TP) plans alone. FSDP2 of a stage is
+    kimi_hf.distributed.pipeline.shard_stage's: transformers shards the model's root, whose forward a stage's
+    (KimiPipelineStageModule) does not call. Elsewhere, the config itself."""
+    if _stage_config(distributed_config) is None:
+        return distributed_config
+    import copy
+
+    experts_only = copy.copy(distributed_config)
+    experts_only.fsdp_size = experts_only.dp_replicate_size = 1
+    return experts_only
 
 
 # ---- one stage's forward ----------------------------------------------------------------------------------------
@@ -203,7 +286,8 @@ class KimiPipelineStageModule(nn.Module):
     in the graph with a zero as in one process). Middle stages: hidden states [b, T, d] (and, with Attention
     Residuals, the completed blocks [n, b, T, d]). Every stage runs its layers on masks and positions built from
     its input's shape (or `position_ids`, a keyword every rank passes for packed documents); the last returns the
-    logits [b, T, V]."""
+    logits [b, T, V]. Under context parallelism (enable_context_parallel on the stage's model) T is this rank's
+    slice of the sequences, and the positions are the slice's global ones (`context_positions`)."""
 
     def __init__(self, model: nn.Module, stage: PipelineStageInfo):
         super().__init__()
@@ -223,9 +307,13 @@ class KimiPipelineStageModule(nn.Module):
             blocks = text.start_blocks(hidden)
         else:
             hidden, blocks = inputs if len(inputs) == 2 else (inputs[0], None)
-        position_ids, packed = text.positions(hidden, position_ids)
-        masks = text.layer_masks(hidden, None, position_ids, None, packed)
-        hidden, blocks = text.run_layers(hidden, blocks, self.stage.layers, masks, position_ids, None, packed)
+        context = None
+        if text._context_parallel is not None:  # this rank's slice of the micro-batch's sequences
+            position_ids, packed, masks, context = text.context_positions(hidden, position_ids)
+        else:
+            position_ids, packed = text.positions(hidden, position_ids)
+            masks = text.layer_masks(hidden, None, position_ids, None, packed)
+        hidden, blocks = text.run_layers(hidden, blocks, self.stage.layers, masks, position_ids, None, packed, context)
         if not self.stage.is_last:
             return hidden if blocks is None else (hidden, blocks)
         if blocks is not None:
@@ -238,7 +326,10 @@ __all__ = [
     "PipelineStageInfo",
     "check_pipeline_model",
     "decoder_of",
+    "distribute_for_stage",
+    "expert_parallel_only",
     "loading_stage",
+    "prepare_stage_mesh",
     "prune_to_active_stage",
     "prune_to_stage",
     "stage_io_meta",

@@ -1,0 +1,51 @@
+"""kimi_hf.distributed.mesh.TrainingLayout: the checks made before any model is built (a layout of the example's flags on a
+world size), and the data ranks each layout leaves."""
+
+from __future__ import annotations
+
+import pytest
+
+from kimi_hf.distributed.mesh import TrainingLayout
+
+
+@pytest.fixture(scope="module")
+def text_config():
+    from kimi_hf.presets import small_k3_config
+
+    config = small_k3_config(64, 4, vocab_size=100, media_token_id=99, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    return config.get_text_config()  # 4 layers, 8 experts
+
+
+@pytest.mark.parametrize(
+    "layout, world, data, batches",
+    [
+        (TrainingLayout(pp=2, fsdp=2), 4, 2, 2),
+        (TrainingLayout(pp=2, ep=2, fsdp=2), 4, 2, 2),
+        (TrainingLayout(pp=2, ep=2, fsdp=2, cp=2), 4, 2, 1),
+        (TrainingLayout(pp=2, tp=2, ep=2), 4, 1, 1),
+        (TrainingLayout(tp=2, ep=2, cp=2), 4, 2, 1),
+        (TrainingLayout(pp=2, ep=2, fsdp=2), 8, 4, 4),  # 2 replicas of each stage's 2 x 2
+    ],
+)
+def test_supported_layouts(text_config, layout, world, data, batches):
+    layout.check(world, text_config)
+    assert layout.data_ranks(world) == data and layout.batch_ranks(world) == batches
+
+
+@pytest.mark.parametrize(
+    "layout, world, message",
+    [
+        (TrainingLayout(pp=2, tp=2), 8, "--pp 2 with --tp 2 on 8 ranks: tensor parallelism inside a pipeline stage"),
+        (TrainingLayout(tp=2, fsdp=2), 4, "--tp 2 with --fsdp 2"),
+        (TrainingLayout(pp=2, ep=2), 4, "--ep 2 must be a multiple of --tp 1 and divide --tp x --fsdp (1)"),
+        (TrainingLayout(ep=3, fsdp=3), 3, "--ep 3 does not divide num_experts (8)"),
+        (TrainingLayout(pp=5), 5, "--pp 5 leaves a pipeline stage without layers"),
+        (TrainingLayout(pp=2, fsdp=2, cp=4), 4, "--cp 4 does not divide the 2 data ranks"),
+        (TrainingLayout(pp=3), 4, "does not divide the world size 4"),
+        (TrainingLayout(cp=0), 1, "--cp must be a positive integer, got 0"),
+    ],
+)
+def test_refused_layouts_name_the_size(text_config, layout, world, message):
+    with pytest.raises(ValueError) as info:
+        layout.check(world, text_config)
+    assert message in str(info.value)

@@ -898,7 +898,7 @@ class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
 
     @classmethod
     def prepare_distribute_model(cls, distributed_config, device_map=None):
-        """transformers' meshes, with the pipeline dimension when one stage loads with expert parallelism
+        """transformers' meshes, with the pipeline dimension when one stage loads with expert / tensor parallelism
         (kimi_hf.distributed.load_pipeline_stage: prepare_stage_mesh)."""
         prepared = prepare_stage_mesh(distributed_config, device_map)
         return prepared if prepared is not None else super().prepare_distribute_model(distributed_config, device_map)

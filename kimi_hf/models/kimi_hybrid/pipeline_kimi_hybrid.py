@@ -159,7 +159,7 @@ def loading_stage(stage: PipelineStageInfo, distributed_config=None):
     """Within it, the models' `maybe_distribute_model` (called by from_pretrained between building the model on
     the meta device and reading its tensors) prunes the model to `stage`. `distributed_config` (the one passed to
     from_pretrained: a transformers DistributedConfig with ep_size or tp_size > 1, its sizes those of a stage's ranks,
-    pp_size 1) makes the load shard the stage over its own ranks (`prepare_stage_mesh`, `expert_parallel_only`)."""
+    pp_size 1) makes the load shard the stage over its own ranks (`prepare_stage_mesh`, `without_data_parallelism`)."""
     token = _ACTIVE_STAGE.set(_StageLoad(stage, distributed_config))
     try:
         yield
@@ -201,18 +201,18 @@ def prepare_stage_mesh(distributed_config, device_map=None):
     if manager.get_mesh("pp").get_local_rank() != active.stage.index:
         raise ValueError(
             f"pipeline stage {active.stage.index} loaded on the rank of stage {manager.get_mesh('pp').get_local_rank()}"
-            " of the mesh (pp x dp_replicate x fsdp, pp outermost)"
+            " of the mesh (pp x dp_replicate x fsdp x tp, pp outermost)"
         )
     return distributed_config, device_map if device_map is not None else mapped, manager
 
 
 def distribute_for_stage(distribute, model: nn.Module, distributed_config, mesh_manager) -> nn.Module:
     """transformers' `distribute(model, config, mesh_manager)` (the mixin's maybe_distribute_model) given
-    `expert_parallel_only(distributed_config)`; the model then records the config it was loaded with (its
+    `without_data_parallelism(distributed_config)`; the model then records the config it was loaded with (its
     data-parallel sizes are the stage's)."""
     if _stage_config(distributed_config) is not None:
         _drop_placeholder_rules(model)
-    model = distribute(model, expert_parallel_only(distributed_config), mesh_manager)
+    model = distribute(model, without_data_parallelism(distributed_config), mesh_manager)
     if mesh_manager is not None:
         model.config.distributed_config = distributed_config
     return model
@@ -235,7 +235,7 @@ def _drop_placeholder_rules(model: nn.Module) -> None:
             setattr(model, attr, {k: v for k, v in plan.items() if k not in placeholders or k in held})
 
 
-def expert_parallel_only(distributed_config):
+def without_data_parallelism(distributed_config):
     """What transformers' maybe_distribute_model is given in a `loading_stage` with expert / tensor parallelism: the
     config with data parallelism off, so that it applies the EP (and TP) plans alone. FSDP2 of a stage is
     kimi_hf.distributed.pipeline.shard_stage's: transformers shards the model's root, whose forward a stage's
@@ -244,9 +244,9 @@ def expert_parallel_only(distributed_config):
         return distributed_config
     import copy
 
-    experts_only = copy.copy(distributed_config)
-    experts_only.fsdp_size = experts_only.dp_replicate_size = 1
-    return experts_only
+    inside = copy.copy(distributed_config)
+    inside.fsdp_size = inside.dp_replicate_size = 1
+    return inside
 
 
 # ---- one stage's forward ----------------------------------------------------------------------------------------
@@ -327,11 +327,11 @@ __all__ = [
     "check_pipeline_model",
     "decoder_of",
     "distribute_for_stage",
-    "expert_parallel_only",
     "loading_stage",
     "prepare_stage_mesh",
     "prune_to_active_stage",
     "prune_to_stage",
     "stage_io_meta",
     "stage_layer_ranges",
+    "without_data_parallelism",
 ]

@@ -286,17 +286,28 @@ def _state_like(p, local: torch.Tensor) -> torch.Tensor:
     return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
 
 
+def _whole_experts_locally(p) -> bool:
+    """Whether a DTensor batch of expert matrices [E, A, B] is split on the expert dim only, on every mesh dim:
+    FSDP2's dim-0 shards, expert parallelism, and both (FSDP2 over the ranks that hold the same experts makes the
+    outer one a `_StridedShard` of dim 0, which is not a `Shard` subclass): each rank then holds whole experts."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return p.ndim == 3 and all(
+        pl.is_replicate() or (isinstance(pl, (Shard, _StridedShard)) and pl.dim == 0) for pl in p.placements
+    )
+
+
 def _dtensor_orthogonalize(p, update, ns):
     """A DTensor parameter's update (its local part) orthogonalised as the whole matrix would be. A batch of
-    expert matrices [E, A, B] split only on the expert dim (FSDP2's dim-0 shards, expert parallelism) holds whole
-    experts locally: each is orthogonalised where it lives, no communication. Anything else (FSDP2's rows of a
-    matrix, tensor parallelism's rows or columns, a mesh of several dims) is gathered whole (one all-gather),
-    orthogonalised, and this rank's part kept as p's placements cut it."""
-    from torch.distributed.tensor import Shard
+    expert matrices [E, A, B] split only on the expert dim (`_whole_experts_locally`) holds whole experts locally:
+    each is orthogonalised where it lives, no communication (gathering them would hold every expert of the layer on
+    every rank: at K3's size hundreds of GB). Anything else (FSDP2's rows of a matrix, tensor parallelism's rows or
+    columns) is gathered whole (one all-gather), orthogonalised, and this rank's part kept as p's placements cut it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     placements = tuple(p.placements)
-    if p.ndim == 3 and all(pl.is_replicate() or (isinstance(pl, Shard) and pl.dim == 0) for pl in placements):
+    if _whole_experts_locally(p):
         return ns(update)
     full = DTensor.from_local(update, p.device_mesh, placements, run_check=False, shape=p.shape, stride=p.stride())
     ortho = ns(full.full_tensor())

@@ -301,3 +301,25 @@ def test_muon_runs_on_a_compiled_model():
             opt.zero_grad()
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_expert_batches_split_only_on_the_expert_dim_are_orthogonalised_locally():
+    """Which DTensor parameters Newton-Schulz runs on in place (no gather): stacked experts [E, A, B] split on dim 0
+    only, including FSDP2 over the expert-parallel mesh (an outer _StridedShard of dim 0); anything else is
+    gathered whole."""
+    from types import SimpleNamespace
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from kimi_hf.optim.muon import _whole_experts_locally
+
+    def param(ndim, *placements):
+        return SimpleNamespace(ndim=ndim, placements=placements)
+
+    assert _whole_experts_locally(param(3, Shard(0)))  # expert parallelism, or FSDP2 alone
+    assert _whole_experts_locally(param(3, _StridedShard(0, split_factor=2), Shard(0)))  # FSDP2 (efsdp) x EP
+    assert _whole_experts_locally(param(3, Replicate(), _StridedShard(0, split_factor=2), Shard(0)))  # HSDP x EP
+    assert not _whole_experts_locally(param(3, Shard(1)))  # an expert's rows split: gathered
+    assert not _whole_experts_locally(param(3, _StridedShard(1, split_factor=2), Shard(0)))
+    assert not _whole_experts_locally(param(2, Shard(0)))  # a matrix's rows (FSDP2 of a linear layer)

@@ -302,7 +302,7 @@ def _dtensor_orthogonalize(p, update, ns):
     """A DTensor parameter's update (its local part) orthogonalised as the whole matrix would be. A batch of
     expert matrices [E, A, B] split only on the expert dim (`_whole_experts_locally`) holds whole experts locally:
     each is orthogonalised where it lives, no communication (gathering them would hold every expert of the layer on
-    every rank: at K3's size hundreds of GB). Anything else (FSDP2's rows of a matrix, tensor parallelism's rows or
+    every rank: at K3's size 118 GB a layer in fp32). Anything else (FSDP2's rows of a matrix, tensor parallelism's rows or
     columns) is gathered whole (one all-gather), orthogonalised, and this rank's part kept as p's placements cut it."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 

@@ -29,11 +29,12 @@ from ..models.kimi_hybrid.pipeline_kimi_hybrid import (
 )
 
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
 
-def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, distributed_config=None, **kwargs) -> nn.Module:
-    """`model_class.from_pretrained(path, **kwargs)` holding only `stage`'s part: the model is built on the meta
+def load_pipeline_stage(model_class, path, stage, distributed_config=None, **kwargs) -> nn.Module:
+    """`model_class.from_pretrained(path, **kwargs)` holding only `stage`'s part (a PipelineStageInfo, or the tuple
+    of a rank's stages of an interleaved split, `PipelineStageInfo.interleaved`): the model is built on the meta
     device, pruned to the stage (`prune_to_stage`) and then loaded, so a rank reads and allocates its stage's
     tensors only (the released K3 layout and its MXFP4 experts as in a whole load). `output_loading_info=True`
     returns (model, loading info) as from_pretrained does: the other stages' tensors are neither missing nor
@@ -55,6 +56,11 @@ def load_pipeline_stage(model_class, path, stage: PipelineStageInfo, distributed
         )
     if distributed_config is not None:
         check_stage_config(distributed_config)
+        if isinstance(stage, tuple):
+            raise ValueError(
+                "distributed_config with interleaved stages (a tuple of stages): interleaved schedules run without "
+                "expert / tensor / data parallelism inside the stages in this version"
+            )
     else:
         # an all-1 DistributedConfig builds no mesh but makes from_pretrained call maybe_distribute_model, where
         # the models prune themselves to the active stage before any tensor is read
@@ -157,7 +163,7 @@ class CausalLMLoss:
 
 def build_schedule(
     model: nn.Module,
-    stage: PipelineStageInfo,
+    stage,
     group,
     n_microbatches: int,
     loss_fn,
@@ -171,20 +177,47 @@ def build_schedule(
     stage (a KimiPipelineStageModule around it, or that module, e.g. after fully_shard) in the process group
     `group` (the pipeline dimension of the mesh), on micro-batches of [micro_batch, seq_len] tokens (the stage
     boundaries' shapes: `stage_io_meta`). Gradients are not scaled by the schedule: `loss_fn` normalises (see
-    CausalLMLoss)."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    CausalLMLoss).
+
+    "interleaved_1f1b" (ScheduleInterleaved1F1B) takes `stage` as the tuple of stages this rank holds
+    (`PipelineStageInfo.interleaved`: rank r holds stages r, r + pp, ...; the model pruned to all of them), one
+    torch PipelineStage each: a smaller bubble for more boundary transfers. Without data parallelism in this
+    version (each stage a module of its own around the one model)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     if not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive integer, got {n_microbatches!r}")
+    if (schedule == "interleaved_1f1b") != isinstance(stage, tuple):
+        raise ValueError(
+            "the interleaved_1f1b schedule takes the tuple of a rank's stages (PipelineStageInfo.interleaved), the "
+            f"other schedules one stage; got schedule {schedule!r} with stage {stage!r}"
+        )
+    if device is None:
+        device = next(model.parameters()).device
+    if schedule == "interleaved_1f1b":
+        pp = stage[0].num_stages // len(stage)
+        if n_microbatches % pp:
+            raise ValueError(
+                f"the interleaved 1F1B schedule needs micro-batches in multiples of pp: n_microbatches "
+                f"{n_microbatches}, pp {pp}"
+            )
+        if isinstance(model, KimiPipelineStageModule):
+            raise TypeError("the interleaved schedule takes the (pruned) model itself: it builds a module a stage")
+        pipe_stages = []
+        for s in stage:
+            inputs, outputs = stage_io_meta(model, s, micro_batch, seq_len)
+            module = KimiPipelineStageModule(model, s)
+            pipe_stages.append(
+                PipelineStage(module, s.index, s.num_stages, torch.device(device), inputs, outputs, group=group)
+            )
+        return ScheduleInterleaved1F1B(pipe_stages, n_microbatches, loss_fn=loss_fn, scale_grads=False)
     if schedule == "1f1b" and n_microbatches < stage.num_stages:
         raise ValueError(
             f"the 1F1B schedule needs at least as many micro-batches as stages: n_microbatches {n_microbatches} < "
             f"pp {stage.num_stages}"
         )
-    if device is None:
-        device = next(model.parameters()).device
     module = model if isinstance(model, KimiPipelineStageModule) else KimiPipelineStageModule(model, stage)
     inputs, outputs = stage_io_meta(module.model, stage, micro_batch, seq_len)
     pipe_stage = PipelineStage(

@@ -44,6 +44,7 @@ class Case:
     split: tuple[int, ...] | None  # layers per stage (None: even)
     optimizer: str  # "muonclip" | "adamw"
     cp: int = 1  # context parallelism: the stage's data ranks split each sequence (kimi_hf.distributed.context)
+    per_rank: int = 1  # > 1: interleaved stages (rank r holds stages r, r + pp, ...; schedule interleaved_1f1b)
 
 
 # K3: 4 layers, a block every 2 layers: [1, 3] puts the boundary inside a block, [2, 2] on a block edge
@@ -53,6 +54,10 @@ CASES = (
     Case("k3_1f1b_inside_block_adamw", "k3", "1f1b", (3, 1), "adamw"),
     Case("hybrid_1f1b_muonclip", "hybrid", "1f1b", None, "muonclip"),
     Case("hybrid_block_gpipe_adamw", "hybrid_block", "gpipe", (1, 3), "adamw"),
+    # 4 stages of one layer on 2 ranks: rank 0 holds layers 0 and 2, rank 1 layers 1 and 3 (K3: boundaries inside a
+    # block, on its edge, inside the next)
+    Case("k3_interleaved_muonclip", "k3", "interleaved_1f1b", None, "muonclip", per_rank=2),
+    Case("hybrid_block_interleaved_adamw", "hybrid_block", "interleaved_1f1b", None, "adamw", per_rank=2),
 )
 FSDP_CASES = (
     Case("k3_1f1b_fsdp_muonclip", "k3", "1f1b", (2, 2), "muonclip"),
@@ -152,12 +157,20 @@ def run_case(case: Case, mesh, out_dir: str, ep: int = 1) -> None:
     pp_rank, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
     pp, dp = mesh["pp"].size(), mesh["dp"].size()
     layers = build(case.arch).config.get_text_config().num_hidden_layers
-    stage = PipelineStageInfo.split(layers, pp_rank, pp, case.split)
+    if case.per_rank > 1:  # this rank's stages of an interleaved split (no data parallelism)
+        stage = PipelineStageInfo.interleaved(layers, pp_rank, pp, case.per_rank, case.split)
+    else:
+        stage = PipelineStageInfo.split(layers, pp_rank, pp, case.split)
+    stages = stage if isinstance(stage, tuple) else (stage,)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
     if ep > 1:
         model = load_stage(case, stage, dp, ep, out_dir)
     else:
         model = prune_to_stage(build(case.arch), stage)
-    module = shard_stage(model, stage, mesh["dp"]) if dp > 1 else KimiPipelineStageModule(model, stage)
+    if case.per_rank > 1:
+        module = model  # build_schedule wraps each of the rank's stages
+    else:
+        module = shard_stage(model, stage, mesh["dp"]) if dp > 1 else KimiPipelineStageModule(model, stage)
     # how many experts each of the stage's MoE layers holds on this rank (transformers' EP keeps num_experts / ep)
     local_experts = sorted({m.num_experts for m in model.modules() if isinstance(m, _RoutedExperts)})
     replicas = mesh["dp"].get_group()
@@ -182,9 +195,9 @@ def run_case(case: Case, mesh, out_dir: str, ep: int = 1) -> None:
             part = context_parallel_batch(inputs, cp_group)
             inputs, target = part["input_ids"], part["shift_labels"]
         mb_losses = []
-        if stage.is_first:
+        if first:
             schedule.step(inputs)
-        elif stage.is_last:
+        elif last:
             schedule.step(target=target, losses=mb_losses)
         else:
             schedule.step()
@@ -193,7 +206,7 @@ def run_case(case: Case, mesh, out_dir: str, ep: int = 1) -> None:
         opt.step()
         opt.zero_grad()
         update_expert_bias(model, update_rate=1e-2, group=replicas)
-        if stage.is_last:
+        if last:
             total = torch.stack([loss.detach() for loss in mb_losses]).sum()
             dist.all_reduce(total, group=replicas)
             losses.append(total.item() / dp)
@@ -207,10 +220,10 @@ def run_case(case: Case, mesh, out_dir: str, ep: int = 1) -> None:
                 "grads": grads,
                 "weights": weights,
                 "clipped": clipped,
-                "stage": stage.index,
+                "stage": pp_rank,
                 "local_experts": local_experts,
             },
-            os.path.join(out_dir, f"{case.name}.stage{stage.index}.pt"),
+            os.path.join(out_dir, f"{case.name}.stage{pp_rank}.pt"),
         )
     dist.barrier()
 

@@ -46,8 +46,9 @@ def _check(case, out_dir: Path, atol: float = 1e-5) -> None:
 
 
 def test_pp2_matches_one_process(tmp_path):
-    """PP 2 (one sequence a micro-batch, 4 of them): the cases of pp_worker.CASES; losses, every gradient of the
-    first step and the weights after two steps within 1e-5 (fp32) of one process training on the whole batch."""
+    """PP 2 (one sequence a micro-batch, 4 of them): the cases of pp_worker.CASES, interleaved stages (4 stages on
+    the 2 ranks) included; losses, every gradient of the first step and the weights after two steps within 1e-5
+    (fp32) of one process training on the whole batch."""
     torchrun(ROOT / "tests" / "distributed" / "pp_worker.py", [str(tmp_path)], nproc=2)
     for case in pp_worker.CASES:
         _check(case, tmp_path)
@@ -120,6 +121,21 @@ def test_bad_pipeline_inputs():
         build_schedule(model, stage, None, 1, None, "1f1b", micro_batch=1, seq_len=8)
     with pytest.raises(ValueError, match="schedule must be one of"):
         build_schedule(model, stage, None, 2, None, "zb", micro_batch=1, seq_len=8)
+    # interleaved: rank 0 of 2 holds stages 0 and 2 of 4
+    stages = PipelineStageInfo.interleaved(4, 0, 2, 2)
+    assert [(s.index, s.num_stages, list(s.layers)) for s in stages] == [(0, 4, [0]), (2, 4, [2])]
+    with pytest.raises(ValueError, match="interleaved_1f1b schedule takes the tuple"):
+        build_schedule(model, stages, None, 2, None, "1f1b", micro_batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="interleaved_1f1b schedule takes the tuple"):
+        build_schedule(model, stage, None, 2, None, "interleaved_1f1b", micro_batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="micro-batches in multiples of pp: n_microbatches 3, pp 2"):
+        build_schedule(model, stages, None, 3, None, "interleaved_1f1b", micro_batch=1, seq_len=8)
+    with pytest.raises(ValueError, match="pipeline rank 2 is not in"):
+        PipelineStageInfo.interleaved(4, 2, 2, 2)
+    with pytest.raises(ValueError, match="leaves a pipeline stage without layers"):
+        PipelineStageInfo.interleaved(4, 0, 2, 3)
+    with pytest.raises(ValueError, match="distinct stages of one split"):
+        prune_to_stage(pp_worker.build("hybrid"), (stage, stage))
 
 
 def test_bad_stage_distributed_config(tmp_path):
@@ -138,6 +154,13 @@ def test_bad_stage_distributed_config(tmp_path):
         load_pipeline_stage(AutoModelForCausalLM, tmp_path, stage, distributed_config=DistributedConfig(fsdp_size=2))
     with pytest.raises(ValueError, match="tp_plan"):
         load_pipeline_stage(AutoModelForCausalLM, tmp_path, stage, tp_plan="auto")
+    with pytest.raises(ValueError, match="distributed_config with interleaved stages"):
+        load_pipeline_stage(
+            AutoModelForCausalLM,
+            tmp_path,
+            PipelineStageInfo.interleaved(4, 0, 2, 2),
+            distributed_config=DistributedConfig(ep_size=2, fsdp_size=2),
+        )
 
 
 def test_load_pipeline_stage_of_a_released_k3_folder(tmp_path):
@@ -152,8 +175,12 @@ def test_load_pipeline_stage_of_a_released_k3_folder(tmp_path):
     whole = AutoModelForImageTextToText.from_pretrained(tmp_path, dtype=torch.float32)
     layers = config["text_config"]["num_hidden_layers"]
     full = dict(whole.named_parameters())
-    for index in range(2):
-        stage = PipelineStageInfo.split(layers, index, 2)
+    # two stages, and rank 1's two stages of an interleaved split into 4 (layers 2, 3 and 6 of 7: not contiguous)
+    for stage in (
+        *(PipelineStageInfo.split(layers, i, 2) for i in range(2)),
+        PipelineStageInfo.interleaved(layers, 1, 2, 2),
+    ):
+        stages = stage if isinstance(stage, tuple) else (stage,)
         part, info = load_pipeline_stage(
             AutoModelForImageTextToText, tmp_path, stage, dtype=torch.float32, output_loading_info=True
         )
@@ -162,9 +189,10 @@ def test_load_pipeline_stage_of_a_released_k3_folder(tmp_path):
         names = dict(part.named_parameters())
         prefix = "model.language_model.layers."
         held = {int(n[len(prefix) :].split(".")[0]) for n in names if n.startswith(prefix)}
-        assert held == set(stage.layers)
-        assert ("lm_head.weight" in names) == stage.is_last
-        assert ("model.language_model.embed_tokens.weight" in names) == stage.is_first
-        assert any(n.startswith("model.vision_tower.") for n in names) == stage.is_first
+        assert held == {i for s in stages for i in s.layers}
+        first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+        assert ("lm_head.weight" in names) == last
+        assert ("model.language_model.embed_tokens.weight" in names) == first
+        assert any(n.startswith("model.vision_tower.") for n in names) == first
         for name, p in names.items():
             torch.testing.assert_close(p, full[name], atol=0, rtol=0, msg=name)

@@ -46,6 +46,18 @@ class PipelineStageInfo:
             raise ValueError(f"pipeline stage index {index!r} is not in [0, {num_stages})")
         return cls(index, num_stages, ranges[index], num_layers)
 
+    @classmethod
+    def interleaved(
+        cls, num_layers: int, rank: int, pp: int, per_rank: int, layers_per_stage=None
+    ) -> tuple["PipelineStageInfo", ...]:
+        """The `per_rank` stages pipeline rank `rank` of `pp` holds in an interleaved split of `num_layers` layers
+        into pp x per_rank stages (torch's interleaved schedules: rank r holds stages r, r + pp, r + 2 pp, ...)."""
+        if not isinstance(per_rank, int) or isinstance(per_rank, bool) or per_rank < 1:
+            raise ValueError(f"stages a rank (per_rank) must be a positive integer, got {per_rank!r}")
+        if not isinstance(rank, int) or not 0 <= rank < pp:
+            raise ValueError(f"pipeline rank {rank!r} is not in [0, {pp})")
+        return tuple(cls.split(num_layers, rank + i * pp, pp * per_rank, layers_per_stage) for i in range(per_rank))
+
     @property
     def is_first(self) -> bool:
         return self.index == 0
@@ -116,28 +128,41 @@ def check_pipeline_model(model: nn.Module, stage: PipelineStageInfo) -> None:
         )
 
 
-def prune_to_stage(model: nn.Module, stage: PipelineStageInfo) -> nn.Module:
+def _as_stages(stage) -> tuple[PipelineStageInfo, ...]:
+    """A stage, or the stages of one rank of an interleaved split (`PipelineStageInfo.interleaved`), as a tuple."""
+    stages = stage if isinstance(stage, tuple) else (stage,)
+    if not stages or not all(isinstance(s, PipelineStageInfo) for s in stages):
+        raise TypeError(f"stage must be a PipelineStageInfo or a tuple of them, got {stage!r}")
+    if len({(s.num_stages, s.num_layers) for s in stages}) != 1 or len({s.index for s in stages}) != len(stages):
+        raise ValueError(f"the stages of one rank must be distinct stages of one split, got {stages}")
+    return stages
+
+
+def prune_to_stage(model: nn.Module, stage) -> nn.Module:
     """Replaces what another stage holds with parameter-free placeholders, in place: the other stages' decoder
     layers; off the first stage the embedding (and the vision tower / projector); off the last the final depth
-    attention, the norm and the head. Returns the model, which records `stage` as `_kimi_pipeline_stage` and
+    attention, the norm and the head. `stage` may be a tuple: the stages one rank holds in an interleaved split
+    (`PipelineStageInfo.interleaved`). Returns the model, which records `stage` as `_kimi_pipeline_stage` and
     tells transformers' loader that the other stages' checkpoint tensors are expected to be left unread."""
-    check_pipeline_model(model, stage)
+    stages = _as_stages(stage)
+    check_pipeline_model(model, stages[0])
     top, text = _top(model), decoder_of(model)
     multimodal = text is not top.model
     skipped = []
     layers_prefix = r"language_model\.layers" if multimodal else r"layers"
-    others = [i for i in range(stage.num_layers) if i not in stage.layers]
+    held = {i for s in stages for i in s.layers}
+    others = [i for i in range(stages[0].num_layers) if i not in held]
     for i in others:
         text.layers[i] = _placeholder()
     if others:
         skipped.append(rf"(^|\.){layers_prefix}\.({'|'.join(map(str, others))})\.")
-    if not stage.is_first:
+    if not any(s.is_first for s in stages):
         text.embed_tokens = _placeholder()
         skipped.append(r"(^|\.)embed_tokens\.")
         if multimodal:
             top.model.vision_tower, top.model.mm_projector = _placeholder(), _placeholder()
             skipped.append(r"(^|\.)(vision_tower|mm_projector)\.")
-    if not stage.is_last:
+    if not any(s.is_last for s in stages):
         for name in ("norm", "final_res"):
             if hasattr(text, name):
                 setattr(text, name, _placeholder())

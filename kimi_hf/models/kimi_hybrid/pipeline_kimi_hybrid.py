@@ -170,6 +170,7 @@ def prune_to_stage(model: nn.Module, stage) -> nn.Module:
         skipped.append(r"(^|\.)(language_model\.)?(norm|final_res)\.|(^|\.)lm_head\.")
     top._keys_to_ignore_on_load_unexpected = set(top._keys_to_ignore_on_load_unexpected or ()) | set(skipped)
     top._kimi_pipeline_stage = stage
+    _drop_placeholder_rules(top)
     return model
 
 
@@ -235,8 +236,6 @@ def distribute_for_stage(distribute, model: nn.Module, distributed_config, mesh_
     """transformers' `distribute(model, config, mesh_manager)` (the mixin's maybe_distribute_model) given
     `without_data_parallelism(distributed_config)`; the model then records the config it was loaded with (its
     data-parallel sizes are the stage's)."""
-    if _stage_config(distributed_config) is not None:
-        _drop_placeholder_rules(model)
     model = distribute(model, without_data_parallelism(distributed_config), mesh_manager)
     if mesh_manager is not None:
         model.config.distributed_config = distributed_config
@@ -245,7 +244,8 @@ def distribute_for_stage(distribute, model: nn.Module, distributed_config, mesh_
 
 def _drop_placeholder_rules(model: nn.Module) -> None:
     """Removes the TP / EP rules that name a module another stage holds (`lm_head`, `embed_tokens`: replaced by a
-    parameter-free placeholder), which transformers would otherwise try to shard."""
+    parameter-free placeholder), which transformers would otherwise try to shard when the stage loads with
+    tensor / expert parallelism."""
     from transformers.distributed.parallel_utils import replace_layer_number_by_wildcard
     from transformers.distributed.pipeline_parallel import PipelineIdentityLayer
 

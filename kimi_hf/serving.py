@@ -4,8 +4,10 @@
 
 transformers' server loads a checkpoint as `getattr(transformers, config.architectures[0])`, so a model
 class that lives outside transformers is not found there (trust_remote_code does not change that
-path); this launcher exposes our classes to its loader, then runs the stock server. Tool calls in the
-replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's or K3's).
+path); this launcher installs its manager and loader for our classes (`kimi_hf.serving_transformers`: transformers
+5.24, which serves models in its own process, and 5.25+, which spawns a process per model), then runs the stock
+server. Tool calls in the replies are parsed with the tokenizer's `response_template` (train_tokenizer sets Kimi's
+or K3's).
 
 It serves every model type the package registers a generation class for (`served_model_types()`, read off
 the one Auto-class table, hub_kimi.AUTO_MAPS): the text models (AutoModelForCausalLM: kimi_hybrid_text,
@@ -13,7 +15,8 @@ kimi_k3_text) and the image-text ones (AutoModelForImageTextToText: kimi_hybrid,
 K3 folders included).
 
 Requests name the model by MODEL exactly as given on the command line (transformers serve pins the
-server to it and answers 400 to any other name), or by a `--served-model-name` alias. The multimodal
+server to it and answers 400 to any other name), or by a `--served-model-name` alias, which `/v1/models` then
+lists in the path's place. The multimodal
 models take OpenAI `image_url` parts (data: URLs or local files; nothing is downloaded offline).
 """
 
@@ -22,7 +25,6 @@ from __future__ import annotations
 import argparse
 
 
-_ALIASES: dict[str, str] = {}  # request name -> served model (--served-model-name)
 GENERATION_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")  # what transformers serve runs
 
 
@@ -50,103 +52,19 @@ def served_model_classes() -> dict[type, bool]:
     return classes
 
 
-def expose_models_to_transformers_serve(aliases: dict[str, str] | None = None) -> None:
-    """Makes transformers' server load and serve this package's models (`served_model_classes()`).
-
-    - its loader resolves `config.architectures[0]` on the transformers module: our classes are put there;
-    - its modality check knows only in-tree class names: ours are text (LLM) and image-text (VLM) models, as
-      their AUTO_MAPS entries say (a subclass counts as its most specific listed class);
-    - a text model saved beside a processor has `processor_class` in tokenizer_config.json (AutoProcessor
-      would then build the multimodal processor for it): text models load their tokenizer;
-    - `aliases` maps extra request names (`--served-model-name`) to the served model.
-    """
-    import transformers.cli.serving.model_manager as manager
-    import transformers.cli.serving.utils as serving_utils
-    from transformers import AutoConfig, AutoTokenizer
-
-    classes = served_model_classes()
-    for cls in classes:
-        setattr(manager.transformers, cls.__name__, cls)
-    # most derived first, so that a subclass gets its own kind rather than its base's
-    modalities = {
-        cls: manager.Modality.VLM if multimodal else manager.Modality.LLM
-        for cls, multimodal in sorted(classes.items(), key=lambda item: -len(item[0].__mro__))
-    }
-    text_model_types = {
-        model_type
-        for model_type, entries in served_model_types().items()
-        if "AutoModelForImageTextToText" not in entries
-    }
-    ModelManager = manager.ModelManager
-    if not getattr(ModelManager, "_kimi_hf_patched", False):
-        modality, load_processor = ModelManager.get_model_modality, ModelManager._load_processor
-
-        def get_model_modality(model, processor=None):
-            if processor is not None and not hasattr(processor, "image_processor"):
-                return manager.Modality.LLM  # a tokenizer
-            for cls, kind in modalities.items():
-                if isinstance(model, cls):
-                    return kind
-            return modality(model, processor)
-
-        def _load_processor(self, model_id_and_revision, gguf_file=None):
-            model_id, revision = serving_utils.split_revision(model_id_and_revision)
-            if gguf_file is None:
-                config = AutoConfig.from_pretrained(
-                    model_id, revision=revision, trust_remote_code=self.trust_remote_code
-                )
-                if config.model_type in text_model_types:
-                    return AutoTokenizer.from_pretrained(
-                        model_id, revision=revision, trust_remote_code=self.trust_remote_code
-                    )
-            return load_processor(self, model_id_and_revision, gguf_file=gguf_file)
-
-        resolve = serving_utils.BaseHandler._resolve_model
-
-        def _resolve_model(self, body):
-            if body.get("model") in _ALIASES:
-                body = {**body, "model": _ALIASES[body["model"]]}
-            return resolve(self, body)
-
-        ModelManager.get_model_modality = staticmethod(get_model_modality)
-        ModelManager._load_processor = _load_processor
-        serving_utils.BaseHandler._resolve_model = _resolve_model
-        ModelManager._kimi_hf_patched = True  # once per process: a second call only adds aliases
-    _ALIASES.update(aliases or {})
-
-
 def check_model_dir(model: str) -> None:
-    """A one-line error before the server starts: the directory must exist and hold a model of this package."""
-    import json
-    import os
+    """A one-line error before the server starts: the folder must exist, hold a model type this command serves and
+    readable weights (`kimi_hf.model_folder.check_model_folder`); an `org/name` that is not a local path is a Hub
+    repo id (from the local cache; transformers says if it is not there)."""
+    from .model_folder import check_model_folder
 
-    if not os.path.exists(model):
-        if os.path.isabs(model) or model.startswith((".", "~")) or model.count("/") != 1:
-            raise FileNotFoundError(f"model directory {model!r} does not exist")
-        return  # `org/name`: a Hub repo id (from the local cache; transformers says if it is not there)
-    if not os.path.isdir(model):
-        raise NotADirectoryError(f"model {model!r} is a file, not a model directory (save_pretrained output)")
-    config = os.path.join(model, "config.json")
-    if not os.path.isfile(config):
-        raise FileNotFoundError(f"{config} does not exist: not a save_pretrained directory")
-    try:
-        with open(config, encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{config} is not a readable JSON config ({e})") from e
-    served = served_model_types()
-    if model_type not in served:
-        from .models.hub_kimi import AUTO_MAPS
-
-        what = (
-            "a part of this package's models without a generation head"
-            if model_type in AUTO_MAPS
-            else "not one of this package's models"
-        )
-        raise ValueError(
-            f"{config} has model_type {model_type!r}, {what}: kimi-hf serve serves this package's models "
-            f"({', '.join(served)}); use `transformers serve` for others"
-        )
+    check_model_folder(
+        model,
+        what="model directory",
+        model_types=served_model_types(),
+        allow_hub_id=True,
+        hint="kimi-hf serve serves this package's models with a generation head; use `transformers serve` for others",
+    )
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving") -> None:
@@ -172,7 +90,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving")
         from transformers.cli.serve import Serve
     except ImportError as e:
         raise SystemExit(f"the server needs transformers' serving extra: pip install 'transformers[serving]' ({e})")
-    expose_models_to_transformers_serve(dict.fromkeys(args.served_model_name, args.model))
+    from .serving_transformers import install
+
+    install(aliases=args.served_model_name)
     Serve(
         force_model=args.model,
         host=args.host,

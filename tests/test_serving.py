@@ -134,6 +134,8 @@ def test_serves_the_multimodal_model_text_and_image_requests_and_an_alias(tmp_pa
             {"type": "text", "text": "How many circles?"},
         ]
         assert chat(url, "my-model", parts)["choices"][0]["message"]["content"] == "2"
+        with urllib.request.urlopen(f"{url}/models", timeout=30) as r:  # the alias, as vLLM lists served names
+            assert [m["id"] for m in json.loads(r.read())["data"]] == ["my-model"]
         with pytest.raises(urllib.error.HTTPError) as e:
             chat(url, "another-model", "Say yes.")
         assert e.value.code == 400
@@ -167,6 +169,15 @@ def test_serves_a_text_model_saved_beside_a_processor(tmp_path):
         print(stop(server))
 
 
+def truncated_model(tmp_path):
+    """A saved text model whose model.safetensors lost its last 100 bytes (an interrupted copy)."""
+    path = tmp_path / "cut"
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(path)
+    weights = path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])
+    return path
+
+
 @pytest.mark.parametrize(
     "make, message",
     [
@@ -184,7 +195,11 @@ def test_serves_a_text_model_saved_beside_a_processor(tmp_path):
                 or (p / "vt" / "config.json").write_text('{"model_type": "kimi_k3_vision"}')
                 and p / "vt"
             ),
-            "model_type 'kimi_k3_vision', a part of this package's models without a generation head",
+            "model_type 'kimi_k3_vision', not one this accepts",
+        ),
+        (  # a truncated weights file: named, with its byte counts (the check every loading command shares)
+            truncated_model,
+            "model.safetensors: truncated",
         ),
     ],
 )

@@ -26,7 +26,7 @@ import warnings
 import torch
 
 
-try:  # optional accelerator (kimi_hf_kernels, the repository's kernels/ folder); loads without it
+try:  # optional accelerator (kimi_hf_kernels); loads without it
     from kimi_hf_kernels.kda import recurrent_kda as _triton_recurrent_kda
 except ImportError:
     _triton_recurrent_kda = None

@@ -1,5 +1,5 @@
 """Kimi Delta Attention: what is done to the inputs before any path runs (the q/k L2 norm, the gate
-`kda_gate` (the one statement of the gate formulas on the PyTorch side; the Triton side's is kernels/kda/common.py
+`kda_gate` (the one statement of the gate formulas on the PyTorch side; the Triton side's is kimi_hf_kernels/kda/common.py
 `gate_fwd`), the casts to the compute dtype) and the input checks.
 
 Part of the flat, Hub-copyable model folder: torch only.

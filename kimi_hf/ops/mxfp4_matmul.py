@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .mxfp4 import dequantize_mxfp4
 
 
-try:  # optional accelerator (kimi_hf_kernels, the repository's kernels/ folder); everything runs without it
+try:  # optional accelerator (kimi_hf_kernels); everything runs without it
     from kimi_hf_kernels.mxfp4 import mxfp4_grouped_matmul as _triton_matmul
 except ImportError:
     _triton_matmul = None
@@ -58,7 +58,7 @@ def _resolve(backend: str, x: torch.Tensor) -> str:
         return "triton" if x.is_cuda and _triton_matmul is not None else "torch"
     if backend == "triton":
         if _triton_matmul is None:
-            raise ValueError("backend='triton': kimi_hf_kernels (the repository's kernels/ folder) is not installed")
+            raise ValueError("backend='triton': kimi_hf_kernels is not installed")
         if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on CPU)")
     return backend

@@ -25,6 +25,8 @@ import sys as _sys
 __all__ = [
     "ops",
     "LORA_TARGET_MODULES",
+    "K3_LORA_TARGET_MODULES",
+    "lora_target_modules",
     "KimiHybridCache",
     "KimiHybridTextConfig",
     "KimiHybridPreTrainedModel",
@@ -59,15 +61,19 @@ def _register() -> None:
     import transformers
 
     from . import ops
+    from .lora_targets import lora_target_modules
     from .models import hub_kimi
     from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
     from .models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES, KimiHybridPreTrainedModel
+    from .models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
 
     models = hub_kimi.__name__.rpartition(".")[0]
     found = {
         "ops": ops,
         "KimiHybridCache": KimiHybridCache,
         "LORA_TARGET_MODULES": LORA_TARGET_MODULES,
+        "K3_LORA_TARGET_MODULES": K3_LORA_TARGET_MODULES,
+        "lora_target_modules": lora_target_modules,
         "KimiHybridPreTrainedModel": KimiHybridPreTrainedModel,
     }
     for entries in hub_kimi.AUTO_MAPS.values():

@@ -36,8 +36,11 @@ CONVERTERS = {
     "k25-vision": "assemble a hybrid text checkpoint and Kimi K2.5's vision tower into an early-fusion one",
     "k3": "dequantise a Kimi K3 folder's MXFP4 routed experts (official K3 names, bf16 / fp16 / fp32)",
 }
+# `kimi-hf bench NAME` runs benchmarks/NAME.py: this table is the list (choices and --help); tests/test_cli.py checks
+# it against the scripts of benchmarks/ that have a __main__ block, both ways
 BENCHMARKS = {
     "kda": "the KDA operator: ours vs transformers' torch fallbacks on CPU (--cuda: Triton vs fla)",
+    "kda_cuda": "the KDA operator on CUDA: kimi_hf's Triton kernels vs fla's (what kda --cuda runs)",
     "model": "the hybrid model vs transformers' KimiLinearForCausalLM on CPU: forward, decode, cache size",
     "vision": "the vision tower vs transformers' kimi_k25 tower on CPU",
     "conversion": "the streaming converter's peak memory against the checkpoint size",
@@ -45,6 +48,11 @@ BENCHMARKS = {
     "muon_vs_adamw": "token efficiency of MuonClip vs AdamW on a byte-level hybrid LM",
     "qk_clip": "QK-Clip keeping the max attention logit at or below tau",
     "optimizer_step": "optimizer step time: MuonClip vs torch.optim.Muon + AdamW",
+    "k3": "Kimi K3's architecture on CPU: the cost of AttnRes + LatentMoE, loading a released-layout folder",
+    "k3_lora_memory": "LoRA over K3's routed experts kept in MXFP4 vs dequantised: peak memory of a training step",
+    "k3_rank_load": "loading K3 per rank (gloo ranks): each rank's peak against its share of the model",
+    "k3_context_memory": "context parallelism: memory per rank of a training step on one long sequence, 1 / 2 / 4 ranks",
+    "k3_export": "the streaming export of a trained K3 checkpoint: peak memory against the model it writes",
 }
 # what a command raises for bad input or a failed run: printed on one line, not as a traceback
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
@@ -59,7 +67,8 @@ def _choose(
 ) -> str:
     """The NAME of `prog NAME ARGS...`: `--help` lists the choices (exit 0); a missing or unknown NAME,
     or an option before it, is a usage error (exit 2)."""
-    listing = "\n".join(f"  {name:<15} {text}" for name, text in choices.items())
+    width = max(15, *map(len, choices))
+    listing = "\n".join(f"  {name:<{width}} {text}" for name, text in choices.items())
     p = ArgumentParser(
         prog=prog,
         usage=f"{prog} [-h]{' [--version]' if version else ''} {what} [ARGS...]",
@@ -184,7 +193,8 @@ COMMANDS = {"quickstart": _quickstart, "convert": _convert, "plan": _plan, "serv
 
 def run(argv: list[str] | None = None):
     """Runs a command and returns its result (a QuickstartResult, a conversion summary, ...). Errors raise:
-    usage errors and --help / --version exit through SystemExit (2 and 0), a failing command raises its error."""
+    usage errors and --help / --version exit through SystemExit (2 and 0), a failing command raises its error, and
+    a `plan` that does not fit raises SystemExit with its one-line message (exit status 1) once it is printed."""
     argv = sys.argv[1:] if argv is None else list(argv)
     name = _choose(PROG, "COMMAND", COMMAND_HELP, argv, description=__doc__, version=f"{PROG} {__version__}")
     return COMMANDS[name](argv[1:])
@@ -195,8 +205,9 @@ def _one_line(e: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """The console script: runs a command and returns its exit status (0 success, 1 a failed command, 2 a usage
-    error, 130 interrupted); errors are printed on one line to stderr as `kimi-hf: error: ...`."""
+    """The console script: runs a command and returns its exit status (0 success, 1 a failed command or a `plan`
+    that does not fit, 2 a usage error, 130 interrupted); errors are printed on one line to stderr as
+    `kimi-hf: error: ...`."""
     try:
         run(argv)
     except SystemExit as e:  # argparse (help: 0, usage: 2), a benchmark's status, or a message

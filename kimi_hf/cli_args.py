@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .conversion.safetensors_stream import parse_size
+from .sizes import parse_size
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -16,8 +16,9 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}; see '{self.prog} --help'\n")
 
 
-def shard_size(text: str) -> int:
-    """argparse type of --max-shard-size (every converter's): '5GB', '500MB', '100KB' or a number of bytes, > 0."""
+def size(text: str) -> int:
+    """argparse type of a size in bytes (--max-shard-size, --gpu-memory): '5GB' (10^9), '5GiB' (2^30), '500MB' or a
+    number of bytes (`kimi_hf.sizes`, transformers' convention); argparse names the flag in the error."""
     try:
         return parse_size(text)
     except ValueError as e:
@@ -35,4 +36,4 @@ def layer_count(text: str) -> int:
     return n
 
 
-__all__ = ["ArgumentParser", "layer_count", "shard_size"]
+__all__ = ["ArgumentParser", "layer_count", "size"]

@@ -24,32 +24,7 @@ from __future__ import annotations
 
 import argparse
 
-
-GENERATION_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForImageTextToText")  # what transformers serve runs
-
-
-def served_model_types() -> dict[str, dict[str, str]]:
-    """model_type -> its AUTO_MAPS entries, for the model types with a generation class (AutoModelForCausalLM):
-    the ones `kimi-hf serve` serves; those with AutoModelForImageTextToText too are image-text models. Read off
-    the package's one Auto-class table (hub_kimi imports only the standard library: no torch here)."""
-    from .models.hub_kimi import AUTO_MAPS
-
-    return {model_type: entries for model_type, entries in AUTO_MAPS.items() if "AutoModelForCausalLM" in entries}
-
-
-def served_model_classes() -> dict[type, bool]:
-    """The generation classes of `served_model_types()` -> whether they are image-text models: the package's
-    own names for them (getting one from kimi_hf registers the Auto classes, in `kimi-hf`'s process too)."""
-    import kimi_hf
-
-    classes: dict[type, bool] = {}
-    for entries in served_model_types().values():
-        multimodal = "AutoModelForImageTextToText" in entries
-        for auto in GENERATION_AUTO_CLASSES:
-            if auto in entries:
-                cls = getattr(kimi_hf, entries[auto].partition(".")[2])
-                classes[cls] = classes.get(cls, False) or multimodal
-    return classes
+from .served_models import GENERATION_AUTO_CLASSES, served_model_classes, served_model_types  # noqa: F401
 
 
 def check_model_dir(model: str) -> None:

@@ -3,7 +3,7 @@ model loader (5.25+), installed where the stock server looks them up (`install`)
 
 transformers' server knows only in-tree models: it resolves `config.architectures[0]` on the transformers module,
 and tells text (LLM) from image-text (VLM) models by in-tree class names. Our models are put on the module and get
-their kind from the package's one Auto-class table (`hub_kimi.AUTO_MAPS`, through kimi_hf.serving); a text model
+their kind from the package's one Auto-class table (`hub_kimi.AUTO_MAPS`, through kimi_hf.served_models); a text model
 saved beside a processor loads its tokenizer (AutoProcessor would build the multimodal processor for it).
 
 - transformers 5.24 loads models in the server's own process (`ModelManager.load_model_and_processor`).
@@ -33,7 +33,7 @@ _StockModelManager = _model_manager.ModelManager
 def expose_model_classes() -> dict[type, bool]:
     """Puts the package's generation classes on the transformers module (where transformers serve's loader looks
     `config.architectures[0]` up), registering the Auto classes; returns class -> is an image-text model."""
-    from .serving import served_model_classes
+    from .served_models import served_model_classes
 
     classes = served_model_classes()
     for cls in classes:
@@ -43,7 +43,7 @@ def expose_model_classes() -> dict[type, bool]:
 
 def served_modality(model_type: str | None) -> Modality | None:
     """LLM / VLM for a model type `kimi-hf serve` serves (VLM: it has an image-text class), None for others."""
-    from .serving import served_model_types
+    from .served_models import served_model_types
 
     entries = served_model_types().get(model_type)
     if entries is None:

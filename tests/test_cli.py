@@ -12,11 +12,12 @@ from PIL import Image
 from safetensors import safe_open
 
 import kimi_hf
-from kimi_hf.cli import main, quickstart_parser, run
+from kimi_hf.cli import BENCHMARKS, main, quickstart_parser, run
 from kimi_hf.scenes import counting_examples
 
 
 SCRIPT = Path(sys.executable).parent / "kimi-hf"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def shell(*args, timeout=600, **env):
@@ -97,6 +98,37 @@ def test_every_help_exits_0_and_names_its_program(argv, usage, capsys):
 def test_bench_script_help_names_the_command(capfd):
     assert main(["bench", "qk_clip", "--help"]) == 0  # runs benchmarks/qk_clip.py in a subprocess
     assert capfd.readouterr().out.startswith("usage: kimi-hf bench qk_clip [-h]")
+
+
+def _runnable_benchmarks() -> set[str]:
+    """The scripts of benchmarks/ with a `if __name__ == "__main__":` block (helpers such as common.py,
+    memory_sampler.py and k3_shaped.py have none)."""
+    import ast
+
+    names = set()
+    for path in (ROOT / "benchmarks").glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            test = node.test if isinstance(node, ast.If) else None
+            if isinstance(test, ast.Compare) and ast.unparse(test) in (
+                '__name__ == "__main__"',
+                "__name__ == '__main__'",
+            ):
+                names.add(path.stem)
+    return names
+
+
+def test_bench_lists_every_benchmark_script_and_only_those(capsys):
+    """`kimi-hf bench --help` lists one table (kimi_hf.cli.BENCHMARKS): each name it lists is a benchmarks/NAME.py,
+    and each benchmarks/*.py with a __main__ block is listed (the K3 ones included)."""
+    assert main(["bench", "--help"]) == 0
+    out = capsys.readouterr().out
+    listing = out.split("NAME:\n", 1)[1].split("\n\n", 1)[0]
+    listed = [line.split()[0] for line in listing.splitlines()]
+    assert listed == list(BENCHMARKS)
+    assert all((ROOT / "benchmarks" / f"{name}.py").is_file() for name in listed), listed
+    runnable = _runnable_benchmarks()
+    assert {"k3", "k3_lora_memory", "k3_export", "k3_rank_load", "k3_context_memory", "kda_cuda"} <= runnable
+    assert set(listed) == runnable, set(listed) ^ runnable
 
 
 def test_quickstart_help_shows_defaults_and_descriptions(capsys):

@@ -14,7 +14,7 @@ import importlib
 _EXPORTS = {
     "CheckpointReader": (".checkpoint", "CheckpointReader"),
     "ShardedWriter": (".checkpoint", "ShardedWriter"),
-    "parse_size": (".safetensors_stream", "parse_size"),
+    "parse_size": ("..sizes", "parse_size"),  # one size convention for the package: kimi_hf.sizes
     "peak_rss_mb": (".monitor", "peak_rss_mb"),
     "convert_kimi_linear": (".kimi_linear", "convert"),
     "verify_kimi_linear": (".kimi_linear", "verify"),

@@ -12,8 +12,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..atomic_io import set_normal_mode
+from ..sizes import parse_size
 from .output_dir import discard, install, make_output_dir
-from .safetensors_stream import INDEX, parse_size, shard_names  # noqa: F401  (parse_size: imported from here too)
+from .safetensors_stream import INDEX, shard_names
 
 
 def read_config(path: str) -> dict:
@@ -79,14 +80,16 @@ class CheckpointReader:
 class ShardedWriter:
     """Collects tensors into shards of at most max_shard_bytes (a bigger tensor gets a shard of its
     own), in a temporary directory next to dst (`output_dir.make_output_dir`); `finish` writes the index and
-    installs it as dst. dst must not exist (its parent is created). Used as a context manager, an exception
-    removes the temporary directory: no half-written output."""
+    installs it as dst. dst must not exist (its parent is created), or with overwrite=True it is replaced once the
+    new folder is complete (`output_dir.install`). Used as a context manager, an exception removes the temporary
+    directory: no half-written output."""
 
-    def __init__(self, dst: str, max_shard_bytes: int = 5 << 30):
-        if os.path.exists(dst):
+    def __init__(self, dst: str, max_shard_bytes: int | str = "5GB", overwrite: bool = False):
+        max_shard_bytes = parse_size(max_shard_bytes, "max_shard_size")  # before anything is created
+        if os.path.exists(dst) and not overwrite:
             raise FileExistsError(f"{dst} exists; choose a new output directory")
         os.makedirs(os.path.dirname(os.path.abspath(dst)), exist_ok=True)
-        self.dst, self.max_shard_bytes = dst, max_shard_bytes
+        self.dst, self.max_shard_bytes, self.overwrite = dst, max_shard_bytes, overwrite
         self.tmp = make_output_dir(dst, ".convert-")
         self.current: dict[str, torch.Tensor] = {}
         self.current_bytes = 0
@@ -142,7 +145,7 @@ class ShardedWriter:
             weight_map.update(dict.fromkeys(keys, name))
         if n > 1:
             self.write_json(INDEX, {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map})
-        install(self.tmp, self.dst)
+        install(self.tmp, self.dst, self.overwrite)
         return names
 
     def abort(self) -> None:

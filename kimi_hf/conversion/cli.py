@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 from string import Template
 
-from ..cli_args import ArgumentParser, layer_count, shard_size
+from ..cli_args import ArgumentParser, layer_count, size
 from .fp32 import describe, k3_fp32, kimi_linear_fp32
 
 
@@ -52,7 +52,8 @@ model.safetensors.index.json), its routed experts in compressed-tensors' mxfp4-p
 experts.{E}.w{1,2,3}.weight_packed + .weight_scale pair becomes experts.{E}.w{1,2,3}.weight in --dtype
 (lossless in bfloat16 and float32); every other tensor keeps its name and is cast to --dtype, except those the
 release stores in float32 ($fp32), which stay float32. config.json loses its quantization_config (and says
---dtype); every other file of SRC is copied unchanged. A folder whose experts are already plain tensors is
+--dtype); every other file of SRC is copied unchanged (its remote code too, never run: the converter reads the
+tokenizer itself and never asks to trust remote code). A folder whose experts are already plain tensors is
 copied and cast.
 
 Everything is checked before any tensor is read. Streaming: one tensor at a time; output shards of at most
@@ -81,7 +82,12 @@ def _parser(prog: str | None, doc: Template, fp32: tuple[str, ...]) -> ArgumentP
 def _output_options(p: ArgumentParser, verify_layers: int | None = None) -> None:
     """The options every converter shares: --max-shard-size, --no-progress and (verify_layers: the default of
     --verify-layers) --verify."""
-    p.add_argument("--max-shard-size", type=shard_size, default="5GB", help="e.g. 5GB, 500MB (default 5GB)")
+    p.add_argument(
+        "--max-shard-size",
+        type=size,
+        default="5GB",
+        help="largest output shard: 5GB = 5 x 10^9 bytes, 5GiB = 5 x 2^30, or bytes (default 5GB)",
+    )
     if verify_layers is not None:
         p.add_argument(
             "--verify", action="store_true", help="compare the logits of SRC and the result (fresh process)"

@@ -121,7 +121,7 @@ def assemble(
     dst: str,
     image_token_id: int | None = None,
     dtype: torch.dtype | None = None,
-    max_shard_size: int = 5 << 30,
+    max_shard_size: int | str = "5GB",
     show_progress: bool = True,
 ) -> dict:
     """Writes dst (must not exist): a KimiHybridForConditionalGeneration checkpoint made of text_src's
@@ -219,12 +219,10 @@ def _image_token_id(text_src: str, k25_cfg: dict, vocab: int) -> int:
     if os.path.exists(os.path.join(text_src, "tokenizer.json")) or os.path.exists(
         os.path.join(text_src, "tiktoken.model")
     ):
-        from .tokenizer import tiktoken_to_fast
+        from .tokenizer import load_fast_tokenizer, tiktoken_to_fast
 
         if os.path.exists(os.path.join(text_src, "tokenizer.json")):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(text_src)
+            tok = load_fast_tokenizer(text_src)  # no remote code, no prompt
         else:
             tok = tiktoken_to_fast(
                 os.path.join(text_src, "tiktoken.model"), os.path.join(text_src, "tokenizer_config.json")

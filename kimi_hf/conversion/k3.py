@@ -43,6 +43,7 @@ import shutil
 import sys
 import time
 
+from ..sizes import parse_size
 from .k3_plan import (
     K3Plan,
     OutputTensor,
@@ -62,7 +63,6 @@ from .safetensors_stream import (
     TensorReader,
     check_written,
     cut_shards,
-    parse_size,
     shard_header,
     shard_names,
     write_tensor,
@@ -86,9 +86,10 @@ def convert_k3(
     src: a K3 folder (config.json model_type "kimi_k3", safetensors shards + index); dst: a new or empty
     directory (overwrite=True replaces an existing one once the new folder is complete). dtype: "bfloat16",
     "float16" or "float32" (a torch.dtype works too) for the experts and every floating tensor but the F32
-    ones of the release; max_shard_size: bytes or "5GB" / "500MB". verify: compare the logits of SRC and the
-    result (KimiK3ForConditionalGeneration, float32, fresh process; its first verify_layers layers, 0 = all)
-    before the result is moved to dst. show_progress: a progress bar on stderr (None: when it is a terminal).
+    ones of the release; max_shard_size: bytes or "5GB" (10^9) / "5GiB" (2^30) / "500MB" (`kimi_hf.sizes`).
+    verify: compare the logits of SRC and the result (KimiK3ForConditionalGeneration, float32, fresh process; its
+    first verify_layers layers, 0 = all) before the result is moved to dst. show_progress: a progress bar on
+    stderr (None: when it is a terminal).
 
     Returns {"dst", "dtype", "tensors", "experts_dequantised", "shards", "bytes", "seconds", "lossless",
     "rounded_tensors", "copied_files", "skipped_files", "peak_rss_mb", "peak_rss_growth_mb"} (+ "verify": the
@@ -100,7 +101,7 @@ def convert_k3(
     """
     t0 = time.time()
     src, dst = os.fspath(src), os.fspath(dst)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
     plan = plan_k3(src, dtype)  # everything checkable is checked here, before any tensor is read
     check_dst(src, dst, overwrite)
     # a DST inside SRC (re-run with overwrite) is not one of SRC's files

@@ -190,7 +190,7 @@ def _groups(names: list[str]) -> list[list[str]]:
 
 
 def convert(
-    src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size: int = 5 << 30, show_progress: bool = True
+    src: str, dst: str, dtype: torch.dtype | None = None, max_shard_size: int | str = "5GB", show_progress: bool = True
 ) -> dict:
     """Converts checkpoint directory src into dst (must not exist), streaming. Returns a summary
     {"model_type", "shards", "tensors", "peak_rss_mb", "largest_tensor_mb"}."""

@@ -3,7 +3,7 @@
 - `read_safetensors_header`: a file's tensors (dtype, shape, byte range) from its header alone, a truncated file
   refused; `TensorReader` then reads them one at a time with plain reads (no mmap, whose touched pages would count
   as the process's memory) into fresh tensors.
-- `cut_shards` splits planned output tensors into shards of at most a size (`parse_size`: "5GB", "500MB", ...),
+- `cut_shards` splits planned output tensors into shards of at most a size (bytes: `kimi_hf.sizes.parse_size`),
   `shard_names` names them as transformers does, `shard_header` is a shard's header (written first, so a shard
   is written front to back), `write_tensor` appends one tensor's bytes, `check_written` reads the header back.
 
@@ -67,25 +67,6 @@ def numel(shape) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def parse_size(text) -> int:
-    """A shard size (every converter's --max-shard-size): bytes (an int), or "5GB" / "500MB" / "100KB" / "123"
-    (binary units), > 0; anything else raises ValueError. Torch-free, so that the command lines parse it at once."""
-    if isinstance(text, int) and not isinstance(text, bool):
-        size = text
-    else:
-        t = str(text).strip().upper()
-        units = (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10), ("B", 1))
-        mult = next((m for unit, m in units if t.endswith(unit)), 1)
-        number = next((t[: -len(unit)] for unit, _ in units if t.endswith(unit)), t)
-        try:
-            size = int(float(number) * mult)
-        except (ValueError, OverflowError):
-            size = 0
-    if size <= 0:
-        raise ValueError(f"invalid size {text!r} (e.g. 5GB, 500MB, 100KB or a number of bytes)")
-    return size
 
 
 def shard_names(n: int) -> list[str]:

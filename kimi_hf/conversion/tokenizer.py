@@ -97,6 +97,17 @@ def generation_token_ids(tokenizer) -> dict:
     return {k: v for k, v in ids.items() if v is not None and v != []}
 
 
+def load_fast_tokenizer(folder: str):
+    """The fast tokenizer of a folder with a tokenizer.json (and its tokenizer_config.json: special tokens, chat
+    template), never running remote code: not AutoTokenizer, which reads config.json too and, for a release whose
+    config.json or tokenizer_config.json has an auto_map (Kimi's tokenization_kimi.py, configuration_kimi_k3.py),
+    asks "Do you wish to run the custom code? [y/N]" on the terminal, or stalls 15 s for an answer. The converters
+    only need the vocabulary and the special tokens, which tokenizer.json holds."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(folder)
+
+
 def convert_tokenizer_dir(src: str, dst: str) -> bool:
     """Writes tokenizer.json (+ tokenizer_config.json, chat_template.jinja) into dst when src has a tiktoken.model
     and no tokenizer.json: a folder that AutoTokenizer loads alike in transformers 4.x and 5.x
@@ -117,12 +128,12 @@ def stop_generation_at_turn_end(folder: str, config: dict | None) -> None:
     """For a converted folder with a tokenizer.json: the generation config (written from `config`'s bos / eos /
     pad ids when the folder has none) also stops where the tokenizer's chat markup ends a turn (`<|im_end|>`;
     K3: `<|end_of_msg|>`, then `[EOS]`)."""
-    from transformers import AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     if config is not None and not os.path.exists(os.path.join(folder, "generation_config.json")):
         ids = {k: config.get(k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}
         GenerationConfig(**{k: v for k, v in ids.items() if v is not None}).save_pretrained(folder)
-    add_eos_token_ids(folder, chat_stop_token_ids(AutoTokenizer.from_pretrained(folder)))
+    add_eos_token_ids(folder, chat_stop_token_ids(load_fast_tokenizer(folder)))
 
 
 __all__ = [
@@ -136,6 +147,7 @@ __all__ = [
     "chat_stop_token_ids",
     "generation_token_ids",
     "convert_tokenizer_dir",
+    "load_fast_tokenizer",
     "PORTABLE_TOKENIZER_CLASS",
     "portable_tokenizer_config",
     "save_portable_tokenizer",

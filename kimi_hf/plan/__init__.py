@@ -2,7 +2,8 @@
 from the config alone (see planner.py). The planner (torch) is imported on first use, so `kimi-hf plan --help` and
 its flag errors stay instant."""
 
-from .layout import Layout, check_layout, parse_bytes
+from ..sizes import parse_size as parse_bytes  # its name here before kimi_hf.sizes held the one size parser
+from .layout import Layout, check_layout
 
 
 _LAZY = {"MemoryPlan", "Planner", "load_config"}

@@ -1,13 +1,15 @@
 """`kimi-hf plan MODEL_DIR_OR_CONFIG --task infer|lora|full --gpus N --gpu-memory 141GB [...]`: the per-rank memory of
-a job (a table, or one JSON object with --json), whether it fits, and with --suggest the smallest layout that does."""
+a job (a table, or one JSON object with --json), whether it fits, and with --suggest the smallest layout that does.
+Exit status 1 when the job does not fit (the table or the JSON still printed on stdout), as when --suggest finds no
+layout: a script can test the answer."""
 
 from __future__ import annotations
 
 import json
 import sys
 
-from ..cli_args import ArgumentParser
-from .layout import Layout, parse_bytes
+from ..cli_args import ArgumentParser, size
+from .layout import Layout
 
 
 def parser(prog: str = "kimi-hf plan") -> ArgumentParser:
@@ -15,7 +17,8 @@ def parser(prog: str = "kimi-hf plan") -> ArgumentParser:
         prog=prog,
         description="Per-rank memory of a Kimi K3 / Kimi Linear job (weights, LoRA adapters, gradients, optimizer "
         "states, activations, decode cache) from its config.json alone, for a parallel layout; whether it fits; "
-        "--suggest: the smallest layout that fits. Sizes in bytes (GB = 10^9, GiB = 2^30).",
+        "--suggest: the smallest layout that fits. Sizes in bytes (GB = 10^9, GiB = 2^30, as in transformers). Exit "
+        "status 1 when the job does not fit (the output still printed).",
     )
     p.add_argument(
         "model", metavar="MODEL_DIR_OR_CONFIG", help="a model folder or its config.json (no weights needed)"
@@ -24,7 +27,9 @@ def parser(prog: str = "kimi-hf plan") -> ArgumentParser:
         "--task", choices=["infer", "lora", "full"], default="lora", help="inference, LoRA or full fine-tuning"
     )
     p.add_argument("--gpus", type=int, default=None, help="devices in all (default: one replica of the layout)")
-    p.add_argument("--gpu-memory", default="141GB", help="memory of one device (H200: 141GB)")
+    p.add_argument(
+        "--gpu-memory", type=size, default="141GB", help="memory of one device: 141GB = 141 x 10^9 bytes (an H200)"
+    )
     p.add_argument("--tp", type=int, default=1, help="tensor parallel size")
     p.add_argument("--ep", type=int, default=1, help="expert parallel size (divides num_experts and tp x fsdp)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages (1F1B); with --suggest the most it may use")
@@ -40,7 +45,7 @@ def parser(prog: str = "kimi-hf plan") -> ArgumentParser:
         "MXFP4 or dequantised (default: mxfp4 for an MXFP4 config, except --task full)",
     )
     p.add_argument("--optimizer", choices=["muonclip", "adamw"], default="muonclip", help="training optimizer")
-    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (K3_LORA_TARGET_MODULES)")
+    p.add_argument("--lora-rank", type=int, default=16, help="LoRA rank (on kimi_hf.lora_target_modules(config))")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None, help="default: the config's")
     p.add_argument(
         "--headroom",
@@ -137,8 +142,7 @@ def main(argv=None, prog: str = "kimi-hf plan"):
     from .layout import check_layout
     from .planner import Planner, load_config, resolve_experts_format
 
-    # bad flags fail before the model is built
-    parse_bytes(a.gpu_memory)
+    # bad flags fail before the model is built (--gpu-memory: argparse already read it)
     config = load_config(a.model)
     layout = Layout(tp=a.tp, ep=a.ep, pp=a.pp, fsdp=a.fsdp)
     if not a.suggest:
@@ -164,4 +168,9 @@ def main(argv=None, prog: str = "kimi-hf plan"):
     else:
         print(table(plan, suggested=a.suggest))
     sys.stdout.flush()
+    if not plan.fits:  # a "no" is a failure, as --suggest finding nothing is: exit status 1, one line on stderr
+        raise SystemExit(
+            f"the job does not fit: {_gb(plan.per_rank['total'])} a rank, {_gb(plan.usable)} usable "
+            f"(--gpu-memory less --headroom); --suggest finds the smallest layout that fits"
+        )
     return plan

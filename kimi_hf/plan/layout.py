@@ -5,26 +5,7 @@ and is a multiple of tp; what is left of the devices replicates the whole (dp_re
 
 from __future__ import annotations
 
-import re
 from dataclasses import asdict, dataclass
-
-
-UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
-
-
-def parse_bytes(text: str | int | float, flag: str = "--gpu-memory") -> int:
-    """'141GB' (10^9), '139GiB' (2^30), '80e9' or a number of bytes -> bytes; ValueError naming the flag."""
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value, unit = float(text), ""
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([KMGT]i?B|B)?\s*", str(text), re.IGNORECASE)
-        if not m:
-            raise ValueError(f"{flag} must be a size such as 141GB or 139GiB, got {text!r}")
-        value, unit = float(m.group(1)), (m.group(2) or "").upper()
-    if value <= 0:
-        raise ValueError(f"{flag} must be positive, got {text!r}")
-    return int(value * UNITS[unit])
 
 
 @dataclass(frozen=True)
@@ -89,4 +70,4 @@ def check_layout(layout: Layout, gpus: int, text_config, experts_format: str = "
     return gpus // layout.replica
 
 
-__all__ = ["Layout", "check_layout", "parse_bytes"]
+__all__ = ["Layout", "check_layout"]

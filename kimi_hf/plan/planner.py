@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .layout import Layout, check_layout, parse_bytes
+from ..sizes import parse_size
+from .layout import Layout, check_layout
 from .trace import TOP, LiveStorages, storage_keys, tag_layers
 
 
@@ -112,10 +113,9 @@ def _build(config, dtype: torch.dtype, experts_format: str, text_only: bool):
 def _lora(model, rank: int):
     from peft import LoraConfig, get_peft_model
 
-    from ..models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES
-    from ..models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES
+    from ..lora_targets import lora_target_modules
 
-    targets = K3_LORA_TARGET_MODULES if _is_k3(model.config) else LORA_TARGET_MODULES
+    targets = lora_target_modules(model.config)
     with warnings.catch_warnings():  # PEFT reads transformers' deprecated checkpointing names
         warnings.simplefilter("ignore", FutureWarning)
         return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
@@ -257,6 +257,7 @@ def trace_activations(
         mode = LiveStorages(exclude=storage_keys(model))
         base = model.get_base_model() if task == "lora" else model
         handles = tag_layers(mode, base.model.layers)
+        out = None  # a failing forward raises its own error, not the clean-up's
         try:
             with mode, warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
@@ -406,10 +407,11 @@ class Planner:
         return self._traces[key]
 
     def plan(self, layout: Layout, gpus: int | None = None, gpu_memory: str | int = "141GB", headroom: float = 0.08):
-        """The MemoryPlan of `layout` on `gpus` devices (default: one replica) of `gpu_memory` bytes each, of which
-        `headroom` (a fraction) is kept for the CUDA context, communication buffers and fragmentation."""
+        """The MemoryPlan of `layout` on `gpus` devices (default: one replica) of `gpu_memory` bytes each ("141GB" =
+        141 x 10^9, "139GiB" = 139 x 2^30: `kimi_hf.sizes`), of which `headroom` (a fraction) is kept for the CUDA
+        context, communication buffers and fragmentation."""
         gpus = layout.replica if gpus is None else gpus
-        memory = parse_bytes(gpu_memory)
+        memory = parse_size(gpu_memory, "--gpu-memory")
         if not 0 <= headroom < 1:
             raise ValueError(f"--headroom must be a fraction in [0, 1), got {headroom!r}")
         dp = check_layout(layout, gpus, self.text, self.experts_format)

@@ -17,6 +17,18 @@ from torch.utils._pytree import tree_leaves
 TOP = -1  # the tag of storages created outside every decoder layer (embedding, depth mixing, norm, head, loss)
 
 
+def _meta_grouped_mm(func, args, kwargs) -> torch.Tensor | None:
+    """torch's meta kernel of `_grouped_mm` takes bf16 operands only (its CPU kernel, which a model saved in fp32
+    runs, takes fp32 too): the fp32 / fp16 product's shape is the bf16 one's, in the operands' dtype."""
+    if func is not torch.ops.aten._grouped_mm.default:
+        return None
+    a = args[0]
+    if a.device.type != "meta" or a.dtype == torch.bfloat16:
+        return None
+    cast = [x.to(torch.bfloat16) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in args]
+    return func(*cast, **(kwargs or {})).to(a.dtype)
+
+
 class LiveStorages(TorchDispatchMode):
     """Records the storages created by the ops run under it: key -> (weak reference, bytes, tag). `tag` is the
     decoder layer running when the storage was made (TOP outside them); `peak` follows the live bytes when
@@ -29,7 +41,9 @@ class LiveStorages(TorchDispatchMode):
         self.tag, self.peak = TOP, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        out = _meta_grouped_mm(func, args, kwargs)
+        if out is None:
+            out = func(*args, **(kwargs or {}))
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()

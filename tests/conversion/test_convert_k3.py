@@ -157,7 +157,7 @@ def test_shards_index_and_file_modes(converted):
             sizes = [f.get_slice(k).get_shape() for k in f.keys()]
             nbytes = sum(f.get_tensor(k).numel() * f.get_tensor(k).element_size() for k in f.keys())
             assert sorted(f.keys()) == sorted(k for k, v in index["weight_map"].items() if v == file)
-        assert nbytes <= 1 << 20 or len(sizes) == 1, file  # cut at --max-shard-size
+        assert nbytes <= 10**6 or len(sizes) == 1, file  # cut at --max-shard-size (1MB = 10^6 bytes)
         total += nbytes
     assert index["metadata"]["total_size"] == total == report["bytes"]
     assert sorted(os.listdir(dst)) == sorted([*files, INDEX, "config.json", *SIDE_FILES])  # nothing else
@@ -472,3 +472,33 @@ def test_the_tiktoken_tokenizer_becomes_a_fast_one_with_k3_chat(tmp_path):
     # auto_map only stays where its remote code (tokenization_kimi.py) is in the folder, which this release lacks
     cfg = json.loads((out / "tokenizer_config.json").read_text())
     assert cfg["tokenizer_class"] == "PreTrainedTokenizerFast" and "auto_map" not in cfg
+
+
+def test_a_release_with_remote_code_converts_without_a_prompt(tmp_path):
+    """A release as published: tokenizer_config.json and config.json carry auto_maps to the folder's own .py files
+    (tokenization_kimi.py, configuration_kimi_k3.py). `kimi-hf convert k3` never imports them and never asks:
+    transformers' "Do you wish to run the custom code? [y/N]" (AutoTokenizer / AutoConfig with trust_remote_code
+    unset) would wait on a terminal; here stdin is not one, and the conversion must finish without it, the remote
+    code copied to DST unrun. The converter reads the vocabulary from tiktoken.model itself (tokenizer.py)."""
+    from ..models.kimi_k3.release_format import tiny_k3_chat_config, write_k3_tokenizer_files
+
+    src, dst, ran = tmp_path / "release", tmp_path / "out", tmp_path / "remote_code_ran"
+    write_k3_checkpoint(src, tiny_k3_chat_config(), seed=0, mxfp4=True, shards=1, dtype="bfloat16")
+    write_k3_tokenizer_files(src)
+    for file, cls in (("tokenization_kimi.py", "TikTokenTokenizer"), ("configuration_kimi_k3.py", "KimiK3Config")):
+        (src / file).write_text(f"open({str(ran)!r}, 'w').close()  # proof it ran\n\n\nclass {cls}:\n    pass\n")
+    assert "auto_map" in json.loads((src / "tokenizer_config.json").read_text())
+    assert "auto_map" in json.loads((src / "config.json").read_text())
+    r = subprocess.run(
+        [str(SCRIPT), "convert", "k3", str(src), str(dst), "--no-progress"],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,  # transformers' prompt gives up after 15 s on a terminal; with no terminal it must not appear
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    said = r.stdout + r.stderr
+    assert "custom code" not in said and "[y/N]" not in said and "trust_remote_code" not in said, said
+    assert not ran.exists()
+    assert (dst / "tokenizer.json").is_file() and (dst / "tokenization_kimi.py").is_file()
+    assert json.loads((dst / "generation_config.json").read_text())["eos_token_id"] == [258, 257]  # <|end_of_msg|>

@@ -156,3 +156,65 @@ def test_no_cli_or_conversion_module_imports_a_module_that_imports_it_back():
     cycles = [(a, b) for a in ours for b in imports[a] if a in imports[b]]
     assert cycles == []
     assert not {"kimi_hf.cli", "kimi_hf.conversion.cli"} & imports["kimi_hf.cli_args"]  # the shared leaf
+
+
+def test_sizes_are_read_by_one_leaf_module():
+    """kimi_hf.sizes reads every size and imports the standard library only; cli_args (the command lines' shared
+    leaf) imports it and nothing else of the package, no parent or sibling package; no other module of the package
+    defines a size parser of its own."""
+    modules = {}
+    for path in (ROOT / "kimi_hf").rglob("*.py"):
+        modules[".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")] = path
+    sizes = _imports(modules["kimi_hf.sizes"], "kimi_hf.sizes")
+    assert {name.split(".")[0] for name in sizes} <= set(sys.stdlib_module_names) | {"__future__"}, sizes
+    assert _imports(modules["kimi_hf.cli_args"], "kimi_hf.cli_args") & set(modules) == {"kimi_hf.sizes"}
+    parsers = re.compile(r"^def (parse_size|parse_bytes|\w*size_to_int)\(", re.MULTILINE)
+    defined = [m for m, p in modules.items() if parsers.search(p.read_text())]
+    assert defined == ["kimi_hf.sizes"], defined
+
+
+@pytest.mark.parametrize("text", ["5GB", "500MB", "100KB", "5GiB", "3MiB", "64KiB", "5gB", "5gib", "2048"])
+def test_every_size_flag_reads_a_size_as_transformers_does(text):
+    """One convention: "5GB" is 5 x 10^9 bytes and "5GiB" 5 x 2^30, as transformers' save_pretrained reads
+    max_shard_size, in every converter's --max-shard-size, `kimi-hf plan --gpu-memory` and the Python API alike
+    (transformers takes a bare number only as an int)."""
+    from transformers.utils.hub import convert_file_size_to_int
+
+    from kimi_hf.conversion.cli import k3_parser, k25_vision_parser, kimi_linear_parser
+    from kimi_hf.plan.cli import parser as plan_parser
+
+    expected = convert_file_size_to_int(int(text) if text.isdigit() else text)
+    assert kimi_hf.conversion.parse_size(text) == expected
+    for parser, positional in ((kimi_linear_parser(), 2), (k25_vision_parser(), 3), (k3_parser(), 2)):
+        args = parser.parse_args([*"abc"[:positional], "--max-shard-size", text])
+        assert args.max_shard_size == expected, parser.prog
+        assert parser.parse_args(list("abc"[:positional])).max_shard_size == 5 * 10**9  # the default: 5GB
+    assert plan_parser().parse_args(["config.json", "--gpu-memory", text]).gpu_memory == expected
+
+
+@pytest.mark.parametrize(
+    "value, error",
+    [
+        ("5Gb", ValueError),  # transformers: bits
+        ("500mb", ValueError),
+        ("lots", ValueError),
+        ("0", ValueError),
+        (0, ValueError),
+        (None, TypeError),
+        (True, TypeError),
+    ],
+)
+def test_a_bad_max_shard_size_is_refused_naming_the_argument_before_any_work(tmp_path, value, error):
+    """The Python API names its argument and the value, and creates nothing (ShardedWriter: kimi-linear, k25-vision;
+    convert_k3)."""
+    with pytest.raises(error, match="max_shard_size"):
+        checkpoint.ShardedWriter(str(tmp_path / "out"), value)
+    with pytest.raises(error, match="max_shard_size"):
+        k3.convert_k3(tmp_path / "missing", tmp_path / "out", max_shard_size=value)
+    assert os.listdir(tmp_path) == []
+    if isinstance(value, str):
+        with pytest.raises(ValueError, match=re.escape(repr(value))):
+            kimi_hf.conversion.parse_size(value, "max_shard_size")
+    if value in ("5Gb", "500mb"):  # the error names the byte spelling
+        with pytest.raises(ValueError, match="bits; write (5GB|500MB) for bytes"):
+            kimi_hf.conversion.parse_size(value)

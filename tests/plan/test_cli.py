@@ -44,7 +44,6 @@ def test_released_k3_inference_plan_as_json():
         (["--ep", "3"], "--ep 3 does not divide num_experts (896)"),
         (["--tp", "5", "--gpus", "5"], "--tp 5 does not divide num_attention_heads (96)"),
         (["--tp", "8", "--gpus", "12"], "does not divide --gpus 12"),
-        (["--gpu-memory", "lots"], "--gpu-memory must be a size"),
         (["--task", "full", "--experts-format", "mxfp4"], "--task full trains the routed experts"),
         (["--pp", "94", "--gpus", "94"], "--pp 94 leaves a pipeline stage without layers"),
     ],
@@ -53,6 +52,33 @@ def test_bad_flags_are_one_line_errors(args, message, capsys):
     assert main(["plan", released(), *args]) == 1
     err = capsys.readouterr().err.strip()
     assert err.startswith("kimi-hf: error: ") and message in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("value", ["lots", "141gb", "0", "5XB"])
+def test_a_bad_gpu_memory_is_a_usage_error_naming_the_flag(value, capsys):
+    """--gpu-memory is read by argparse (kimi_hf.sizes, as every size flag): exit 2 before the config is read; "141gb"
+    is bits to transformers, so it is refused rather than read as 141 x 10^9 bytes."""
+    assert main(["plan", released(), "--gpu-memory", value]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("kimi-hf plan: error: argument --gpu-memory: ") and repr(value) in line, line
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_plan_that_does_not_fit_exits_1_after_printing_it(as_json, capsys):
+    """The verdict is the exit status (as --suggest finding no layout is): the table or the JSON is printed on stdout,
+    then one line on stderr and status 1. 16 x 141GB fit the released K3's inference (the first test); 16 x 50GB
+    do not."""
+    args = ["--task", "infer", "--tp", "8", "--ep", "8", "--fsdp", "2", "--gpus", "16", "--gpu-memory", "50GB"]
+    assert main(["plan", released(), *args, *(["--json"] if as_json else [])]) == 1
+    out, err = capsys.readouterr()
+    if as_json:
+        [line] = out.strip().splitlines()
+        plan = json.loads(line)
+        assert plan["fits"] is False and plan["usable_memory"] == int(50e9 * 0.92)
+    else:
+        assert "does NOT fit" in out
+    [line] = err.splitlines()
+    assert line.startswith("kimi-hf: error: the job does not fit: ") and "--suggest" in line, line
 
 
 def test_a_config_of_another_architecture_is_refused(tmp_path, capsys):

@@ -147,3 +147,16 @@ def test_suggest_finds_the_fewest_devices_that_fit(folder, capsys):
             assert not planner.plan(layout, n, memory).fits, layout
         except ValueError:  # a layout the model cannot run
             pass
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_model_saved_in_fp32_or_fp16_plans(folder, dtype):
+    """The quickstart saves its model in fp32: torch's meta kernel of grouped_mm takes bf16 only, so tracing it failed
+    ("Expected inputs of BF16 type", shown as an UnboundLocalError). The trace now runs in the config's dtype: the
+    dense weights take the element size, the activations at least bf16's."""
+    bf16 = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype="bfloat16").plan(Layout())
+    wide = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype=dtype).plan(Layout())
+    scale = 2 if dtype == "float32" else 1
+    assert bf16.per_rank["weights"] * (scale if scale == 1 else 1.2) <= wide.per_rank["weights"]  # MXFP4 stays
+    assert wide.per_rank["weights"] <= bf16.per_rank["weights"] * scale
+    assert wide.per_rank["activations"] >= bf16.per_rank["activations"] * (1 if scale == 2 else 0.99)

@@ -129,7 +129,12 @@ class KimiHybridTextConfig(PreTrainedConfig):
         kv_lora_rank, q_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: MLA.
         num_experts, num_experts_per_tok, n_shared_experts, moe_intermediate_size, n_group, topk_group,
         routed_scaling_factor, norm_topk_prob: the DeepSeek-V3 style MoE (sigmoid router, noaux_tc).
-        router_aux_loss_coef: weight of the load-balancing loss added when `output_router_logits`.
+        router_aux_loss_coef: weight of the load-balancing loss added to the loss when `output_router_logits`
+            (the loss is returned as `aux_loss` either way). Default 0.0: Kimi Linear and Kimi K3 balance their
+            experts without an auxiliary loss (`topk_method="noaux_tc"`: the router's correction bias, trained
+            by `kimi_hf.optim.ExpertBiasCallback`); neither released config declares a coefficient, nor does
+            transformers' kimi_linear, so TRL's SFTTrainer (which reads this field) optimises the released
+            objective. Set it (DeepSeek-V3 used 1e-4 to 1e-3 for its sequence-wise loss) to add the loss.
         attn_residual: "none" (the residual sum), "block" (Block Attention Residuals: each sublayer's
             input is softmax attention over the embedding, the completed blocks and the current partial
             sum) or "full" (every sublayer its own block).
@@ -192,7 +197,7 @@ class KimiHybridTextConfig(PreTrainedConfig):
     topk_group: int = 1
     routed_scaling_factor: float = 2.446
     norm_topk_prob: bool = True
-    router_aux_loss_coef: float = 0.001
+    router_aux_loss_coef: float = 0.0  # aux-loss-free balancing, as released (see the docstring)
     output_router_logits: bool = False
     linear_num_heads: int = 32
     linear_head_dim: int = 128

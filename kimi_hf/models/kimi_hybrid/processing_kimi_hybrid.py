@@ -80,6 +80,14 @@ class KimiHybridProcessor(RemoteCodeProcessorMixin, ProcessorMixin):
         encoded = self.tokenizer(texts, return_tensors=return_tensors, **text_kwargs)
         return BatchFeature(data={**encoded, **image_inputs}, tensor_type=return_tensors)
 
+    def apply_chat_template(self, conversation, chat_template=None, **kwargs):
+        """transformers' `ProcessorMixin.apply_chat_template`, except that `tokenize=True` without `return_tensors`
+        gives lists, as a tokenizer's template and most of transformers' processors do (calling the processor gives
+        tensors by default, which TRL's check of the template's stop token, given the processor, misreads)."""
+        if kwargs.get("tokenize") and kwargs.get("return_tensors", "auto") == "auto":
+            kwargs["return_tensors"] = None
+        return super().apply_chat_template(conversation, chat_template, **kwargs)
+
     def stop_token_ids(self) -> list[int]:
         """The ids chat generation stops on (chat_stop_token_ids: added to a generation_config.json saved in the
         same folder; K3's markup: <|end_of_msg|>, then EOS)."""

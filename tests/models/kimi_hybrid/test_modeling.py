@@ -223,7 +223,11 @@ def test_router_logits_and_aux_loss():
     assert len(out.router_logits) == 3 and out.router_logits[0].shape == (20, 4)
     assert out.aux_loss is not None and out.aux_loss > 0
     base = model(x, labels=x).loss
-    assert torch.allclose(out.loss, base + model.config.router_aux_loss_coef * out.aux_loss, atol=1e-6)
+    # released Kimi models balance without an auxiliary loss: by default it is returned, not added
+    assert model.config.router_aux_loss_coef == 0.0 and torch.equal(out.loss, base)
+    model.config.router_aux_loss_coef = 0.01
+    out = model(x, labels=x, output_router_logits=True)
+    assert torch.allclose(out.loss, base + 0.01 * out.aux_loss, atol=1e-6) and not torch.equal(out.loss, base)
 
 
 def test_save_and_reload_roundtrip(tmp_path):

@@ -169,9 +169,17 @@ def test_chat_template_with_an_image(proc):
         messages, add_generation_prompt=True, tokenize=True, return_dict=True, thinking_effort=None
     )
     assert out["image_grid_thw"].tolist() == [[1, 2, 4]]
-    assert (out["input_ids"] == TINY_CHAT_MEDIA_PAD_ID).sum() == 2
+    assert out["input_ids"][0].count(TINY_CHAT_MEDIA_PAD_ID) == 2  # lists: no return_tensors was given
     decoded = proc.tokenizer.decode(out["input_ids"][0], skip_special_tokens=False)
     assert "<|media_begin|>image 56x28<|media_content|>" in decoded
+
+
+def test_trls_stop_token_check_reads_the_processor(proc):
+    """TRL's SFTTrainer checks, given the processor, that the template's assistant mask ends on the end-of-turn
+    token; it reads apply_chat_template(tokenize=True) as lists (as transformers' processors return them) and warned
+    falsely that the model may not learn to stop when it got tensors."""
+    chat_template_utils = pytest.importorskip("trl.chat_template_utils")
+    assert chat_template_utils.is_chat_template_stop_token_trained(proc)
 
 
 def test_saved_processor_reloads_and_makes_the_model_stop_at_end_of_msg(proc, tmp_path):

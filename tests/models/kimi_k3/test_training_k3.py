@@ -16,6 +16,7 @@ from kimi_hf.models.kimi_k3.modeling_kimi_k3 import K3_LORA_TARGET_MODULES, Kimi
 from kimi_hf.optim import MuonClip, MuonClipCallback
 
 from ...optim.trainer_helpers import args as training_args
+from ..kimi_hybrid.helpers import tiny_tokenizer
 from .release_format import tiny_k3_config
 
 
@@ -333,3 +334,23 @@ def test_every_parameter_gets_a_finite_nonzero_gradient_on_text_and_image():
         if isinstance(experts, nn.Module):
             used = experts.gate_up_proj.grad.flatten(1).any(1) & experts.down_proj.grad.flatten(1).any(1)
             assert used.all(), (i, used)
+
+
+def test_trl_sft_on_k3_optimises_the_released_objective(tmp_path):
+    """K3 balances its experts by the router's bias (noaux_tc), and its released config declares no auxiliary-loss
+    coefficient: TRL's SFTTrainer, which reads the config's `router_aux_loss_coef`, must add no load-balancing loss
+    (it added 0.001 x aux when the config defaulted to 0.001), so the two trainers optimise the same objective."""
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    released = KimiK3Config(**tiny_k3_config())
+    assert "router_aux_loss_coef" not in tiny_k3_config()["text_config"]
+    assert released.text_config.router_aux_loss_coef == 0.0
+    model = k3_model()
+    rows = [{"input_ids": torch.randint(1, VOCAB, (12,)).tolist()} for _ in range(4)]  # pre-tokenized
+    args = trl.SFTConfig(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=2, report_to=[], use_cpu=True
+    )
+    tokenizer = tiny_tokenizer.__wrapped__()  # pads with id 0; the rows are already token ids
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer)
+    assert trainer.aux_loss_enabled is False and model.config.text_config.output_router_logits is False

@@ -331,6 +331,25 @@ def plot_loss(out: str, history, size: str, steps: int) -> str | None:
     return save_loss_plot(os.path.join(out, "loss.png"), history.steps, history.losses, title=title)
 
 
+def round_experts_to_mxfp4(model) -> float:
+    """Rounds the routed experts' stacked weights (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])
+    in place to the nearest MXFP4 value, as `save_pretrained(experts_format="mxfp4")` writes them; returns the
+    largest absolute change."""
+    import torch
+
+    from .ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
+
+    change = 0.0
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+                packed, scale = quantize_mxfp4(weight, name=name, exact=False)
+                rounded = dequantize_mxfp4(packed, scale, dtype=weight.dtype, name=name)
+                change = max(change, (rounded - weight).abs().max().item())
+                weight.copy_(rounded)
+    return change
+
+
 def save_and_reload(model, processor, out: str, device: str, probe_example: dict, chat_kwargs: dict):
     """Step 5: save_pretrained model and processor to out/model, reload both through the Auto classes and
     check the reloaded logits match the trained model's on `probe_example` (RuntimeError past 1e-4).
@@ -339,10 +358,22 @@ def save_and_reload(model, processor, out: str, device: str, probe_example: dict
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     model_dir = os.path.join(out, "model")
-    print(f"[5/6] save_pretrained -> {model_dir}; reload with AutoModelForImageTextToText / AutoProcessor")
-    model.save_pretrained(model_dir)
+    k3 = model.config.model_type == "kimi_k3"
+    released = " (routed experts in MXFP4, as K3 is released)" if k3 else ""
+    print(f"[5/6] save_pretrained -> {model_dir}{released}; reload with AutoModelForImageTextToText / AutoProcessor")
+    if k3:  # the reload check below compares against the experts as saved: rounded onto the MXFP4 grid
+        from .models.kimi_k3.chat_template_kimi_k3 import DEFAULT_THINKING_EFFORT, k3_chat_template
+
+        print(f"      experts rounded to MXFP4: largest change {round_experts_to_mxfp4(model):.2e}")
+        model.save_pretrained(model_dir, experts_format="mxfp4")
+        # the saved template prompts as training did (no thinking-effort preamble): serve, generate and pipelines
+        # use its defaults
+        template = k3_chat_template(chat_kwargs.get("thinking_effort", DEFAULT_THINKING_EFFORT))
+        processor.chat_template = processor.tokenizer.chat_template = template
+    else:
+        model.save_pretrained(model_dir)
     processor.save_pretrained(model_dir)
-    reloaded = AutoModelForImageTextToText.from_pretrained(model_dir).to(device).eval()
+    reloaded = AutoModelForImageTextToText.from_pretrained(model_dir).to(device).eval()  # K3: MXFP4 resident
     processor = AutoProcessor.from_pretrained(model_dir)
     model.eval()
     probe = processor(

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 from safetensors import safe_open
+from transformers import AutoProcessor
 
 import kimi_hf
 from kimi_hf.cli import BENCHMARKS, main, quickstart_parser, run
@@ -284,7 +285,17 @@ def test_quickstart_end_to_end_from_the_command_line(tmp_path, arch):
     if arch == "k3":  # the official K3 layout, K3's chat format, stopping at <|end_of_msg|>
         assert config["model_type"] == "kimi_k3" and config["text_config"]["model_type"] == "kimi_linear"
         assert "language_model.lm_head.weight" in names and "mm_projector.proj.0.weight" in names
-        assert any(".block_sparse_moe.experts.0.w1.weight" in n for n in names)
+        # released with MXFP4 routed experts, which load resident
+        assert any(".block_sparse_moe.experts.0.w1.weight_packed" in n for n in names)
+        assert not any(n.endswith(".experts.0.w1.weight") for n in names)
+        assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+        assert "experts rounded to MXFP4" in r.stdout
+        # the saved template's default is the training format: no thinking-effort preamble
+        processor = AutoProcessor.from_pretrained(out / "model")
+        hello = processor.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+        assert hello == summary["chat_transcript"]["prompt"].split("<|kimi_image_placeholder|>")[0] + "Hello" + (
+            '<|close|>message<|sep|><|end_of_msg|><|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+        )
         assert eos == [ids["<|end_of_msg|>"], ids["[EOS]"]]
         assert summary["chat_transcript"]["prompt"].startswith('<|open|>message role="user"<|sep|>')
         assert "<|kimi_image_placeholder|>" in summary["chat_transcript"]["prompt"]

@@ -118,8 +118,7 @@ def _jinja_text(text: str) -> str:
 # the template's own layout never reaches the prompt. `\n` inside the string literals is Jinja's escape. `${NAME}`
 # (string.Template: Jinja has no `$`) is one of the strings above, written into a Jinja string literal by
 # `_jinja_text`, so that each token and each text of the encoder's is written once.
-K3_CHAT_TEMPLATE = (
-    Template(r"""
+_K3_TEMPLATE_SOURCE = Template(r"""
 {#- Kimi K3 XTML (encoding_k3.py); see chat_template_kimi_k3.py in kimi_hf for the format and its choices -#}
 {%- macro k3_attr(value) -%}
     {{- value | string | replace('&', '&amp;') | replace('"', '&quot;') -}}
@@ -246,7 +245,7 @@ K3_CHAT_TEMPLATE = (
 {%- elif reasoning_effort is defined -%}
     {%- set effort = reasoning_effort -%}
 {%- else -%}
-    {%- set effort = '${DEFAULT_THINKING_EFFORT}' -%}
+    {%- set effort = ${DEFAULT_THINKING_EFFORT} -%}
 {%- endif -%}
 {%- if think and effort is not none and effort not in ${VALID_THINKING_EFFORTS} -%}
     {{- raise_exception('Unsupported thinking_effort=' ~ effort | string ~ "; supported values are ${SORTED_THINKING_EFFORTS}.") -}}
@@ -352,23 +351,35 @@ K3_CHAT_TEMPLATE = (
 {%- if add_generation_prompt -%}
     {{- k3_open('message', [('role', 'assistant')]) ~ k3_open('think' if think else 'response') -}}
 {%- endif -%}
-""")
-    .substitute(
-        OPEN=_jinja_text(OPEN),
-        CLOSE=_jinja_text(CLOSE),
-        SEP=_jinja_text(SEP),
-        END_OF_MSG=_jinja_text(END_OF_MSG),
-        IMAGE_PLACEHOLDER=_jinja_text(IMAGE_PLACEHOLDER),
-        TOOL_DECLARE_HEAD=_jinja_text(TOOL_DECLARE_HEAD),
-        DYNAMIC_TOOL_DECLARE_HEAD=_jinja_text(DYNAMIC_TOOL_DECLARE_HEAD),
-        EFFORT_PREAMBLE_HEAD=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[0]),
-        EFFORT_PREAMBLE_TAIL=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[1]),
-        VALID_THINKING_EFFORTS=repr(list(VALID_THINKING_EFFORTS)),  # a Jinja list literal
-        SORTED_THINKING_EFFORTS=repr(sorted(VALID_THINKING_EFFORTS)),  # as the encoder's error message lists them
-        DEFAULT_THINKING_EFFORT=_jinja_text(DEFAULT_THINKING_EFFORT),
-    )
-    .strip()
+""").safe_substitute(
+    OPEN=_jinja_text(OPEN),
+    CLOSE=_jinja_text(CLOSE),
+    SEP=_jinja_text(SEP),
+    END_OF_MSG=_jinja_text(END_OF_MSG),
+    IMAGE_PLACEHOLDER=_jinja_text(IMAGE_PLACEHOLDER),
+    TOOL_DECLARE_HEAD=_jinja_text(TOOL_DECLARE_HEAD),
+    DYNAMIC_TOOL_DECLARE_HEAD=_jinja_text(DYNAMIC_TOOL_DECLARE_HEAD),
+    EFFORT_PREAMBLE_HEAD=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[0]),
+    EFFORT_PREAMBLE_TAIL=_jinja_text(THINKING_EFFORT_PREAMBLE.split("{effort}")[1]),
+    VALID_THINKING_EFFORTS=repr(list(VALID_THINKING_EFFORTS)),  # a Jinja list literal
+    SORTED_THINKING_EFFORTS=repr(sorted(VALID_THINKING_EFFORTS)),  # as the encoder's error message lists them
 )
+
+
+def k3_chat_template(default_thinking_effort: str | None = DEFAULT_THINKING_EFFORT) -> str:
+    """K3's chat template with another default thinking effort: what a prompt gets without `thinking_effort=`.
+    K3's own `apply_chat_template` defaults to "max" (K3_CHAT_TEMPLATE); None leaves the preamble out, so a model
+    trained without it (the quickstart's) is prompted as it was trained."""
+    if default_thinking_effort is not None and default_thinking_effort not in VALID_THINKING_EFFORTS:
+        raise ValueError(
+            f"default_thinking_effort must be one of {list(VALID_THINKING_EFFORTS)} or None, got "
+            f"{default_thinking_effort!r}"
+        )
+    effort = "none" if default_thinking_effort is None else f"'{_jinja_text(default_thinking_effort)}'"
+    return Template(_K3_TEMPLATE_SOURCE).substitute(DEFAULT_THINKING_EFFORT=effort).strip()
+
+
+K3_CHAT_TEMPLATE = k3_chat_template()
 
 
 # transformers' response parser spec (tokenizer.response_template) for K3's replies, for
@@ -489,6 +500,7 @@ def use_k3_chat_markup(tokenizer):
 
 __all__ = [
     "K3_CHAT_TEMPLATE",
+    "k3_chat_template",
     "K3_RESPONSE_TEMPLATE",
     "VALID_THINKING_EFFORTS",
     "DEFAULT_THINKING_EFFORT",

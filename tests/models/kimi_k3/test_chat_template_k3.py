@@ -548,3 +548,24 @@ def test_saved_tokenizer_keeps_the_markup(tok, tmp_path):
     assert loaded.chat_template == K3_CHAT_TEMPLATE and loaded.response_template == K3_RESPONSE_TEMPLATE
     chat = [{"role": "user", "content": "hi"}]
     assert render(loaded, chat) == render(tok, chat)
+
+
+def test_the_default_thinking_effort_of_a_saved_template():
+    """k3_chat_template(effort): what a prompt gets without thinking_effort=. K3's own default is "max"; a model
+    trained without the preamble (the quickstart's) saves a template whose default leaves it out."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    from kimi_hf.models.kimi_k3.chat_template_kimi_k3 import K3_CHAT_TEMPLATE, k3_chat_template
+
+    chat = [[{"role": "user", "content": "Hello"}]]
+
+    def render(template, **kwargs):
+        return render_jinja_template(chat, chat_template=template, add_generation_prompt=True, **kwargs)[0][0]
+
+    assert K3_CHAT_TEMPLATE == k3_chat_template("max")
+    assert "thinking_effort=max" in render(K3_CHAT_TEMPLATE)
+    assert render(k3_chat_template(None)) == render(K3_CHAT_TEMPLATE, thinking_effort=None)
+    assert "thinking_effort=low" in render(k3_chat_template("low"))
+    assert "thinking_effort=high" in render(k3_chat_template(None), thinking_effort="high")  # still per call
+    with pytest.raises(ValueError, match="default_thinking_effort"):
+        k3_chat_template("medium")

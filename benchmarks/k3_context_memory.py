@@ -48,7 +48,7 @@ cfg = small_k3_config(hidden, layers, vocab_size=512, heads=4, mla_head_dim=32, 
                       eos_token_id=2, pad_token_id=0)
 model = KimiK3ForConditionalGeneration._from_config(cfg, attn_implementation="sdpa").train()
 if checkpointing:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 ids = torch.randint(3, 500, (1, T), generator=torch.Generator().manual_seed(1))
 labels = torch.full_like(ids, -100); labels[:, :-1] = ids[:, 1:]
 inputs = {"input_ids": ids}

@@ -61,7 +61,7 @@ experts = experts * (2 if fmt == "mxfp4" else 1)  # two weights a packed byte
 torch.manual_seed(0)
 config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=K3_LORA_TARGET_MODULES)
 model = get_peft_model(model, config)
-model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 model.enable_input_require_grads()
 model.train()
 trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

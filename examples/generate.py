@@ -12,7 +12,6 @@ latent: memory grows only with the MLA layers.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -21,11 +20,45 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import kimi_hf  # noqa: F401  (registers the Auto classes; without it pass trust_remote_code=True)
 from kimi_hf.chat import K3ReplyStreamer, has_k3_markup, reply_text
+from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.model_folder import check_model_folder
+from kimi_hf.serving import served_model_types
+
+
+DEFAULT_MODEL = "outputs/quickstart/model"
+
+
+def check_args(args) -> bool:
+    """Bad input, found before anything loads (ValueError / OSError naming the argument). Returns whether --model
+    is an image-text model."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    if args.model == DEFAULT_MODEL and not os.path.exists(args.model):
+        raise FileNotFoundError(
+            f"--model {args.model!r} does not exist: run `kimi-hf quickstart` first or pass --model"
+        )
+    types = served_model_types()  # the model types with a generation class, and which of them read images
+    model_type = check_model_folder(args.model, what="--model", model_types=types)["model_type"]
+    multimodal = "AutoModelForImageTextToText" in types[model_type]
+    if args.image:
+        if not multimodal:
+            raise ValueError(f"--image needs an image-text model; --model {args.model!r} is a {model_type} model")
+        if not os.path.isfile(args.image):
+            raise FileNotFoundError(f"--image {args.image!r} does not exist or is not a file")
+        from PIL import Image
+
+        try:
+            with Image.open(args.image) as img:
+                img.verify()  # the header and the file's structure, without decoding the pixels
+        except (OSError, SyntaxError, ValueError) as e:  # SyntaxError: how some of PIL's decoders say "corrupt"
+            raise ValueError(f"--image {args.image!r} is not a readable image ({e})") from None
+    return multimodal
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="outputs/quickstart/model")
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", default="Write some Python.")
     p.add_argument("--image", help="an image file to ask about")
     p.add_argument("--question", default="How many circles are there?")
@@ -33,9 +66,10 @@ def main(argv=None) -> dict:
     p.add_argument("--sample", action="store_true", help="sample (temperature 0.8, top-p 0.95) instead of greedy")
     p.add_argument("--no-stream", action="store_true")
     args = p.parse_args(argv)
-    if not os.path.exists(os.path.join(args.model, "config.json")):
-        raise SystemExit(f"{args.model} has no config.json: run `kimi-hf quickstart` first or pass --model")
-    multimodal = json.load(open(os.path.join(args.model, "config.json")))["model_type"] in ("kimi_hybrid", "kimi_k3")
+    try:
+        multimodal = check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
     if multimodal:
         model, processor = (
             AutoModelForImageTextToText.from_pretrained(args.model),
@@ -76,11 +110,9 @@ def main(argv=None) -> dict:
         print(results["text"])
 
     if args.image:
-        if not multimodal:
-            raise SystemExit("--image needs a multimodal model (model_type kimi_hybrid or kimi_k3)")
         messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": args.question}]}]
         prompt = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        inputs = processor(images=[args.image], text=[prompt], return_tensors="pt")  # errors name a bad file
+        inputs = processor(images=[args.image], text=[prompt], return_tensors="pt")
         print(f"\n> [{args.image}] {args.question}")
         with torch.no_grad():
             out = model.generate(**inputs, max_new_tokens=24 if k3 else 8, streamer=streamer(prompt), **sampling)

@@ -14,6 +14,7 @@ train them). Writes <out>/k3_loss.png (kimi_hf.plotting: Pillow only) and <out>/
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import torch
@@ -22,6 +23,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
 from kimi_hf import KimiK3ForConditionalGeneration
+from kimi_hf.cli_args import ArgumentParser
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
@@ -41,8 +43,20 @@ class Windows(Dataset):
         return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
+def check_args(args) -> None:
+    """Bad input, found before any work (ValueError / OSError naming the argument)."""
+    for name in ("steps", "batch", "seq", "hidden"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
@@ -51,6 +65,10 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/k3_from_scratch")
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
 
     torch.set_flush_denormal(True)
     torch.manual_seed(args.seed)

@@ -13,6 +13,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from kimi_hf.cli_args import ArgumentParser
 from kimi_hf.ops import chunk_kda, recurrent_kda
 
 
@@ -22,13 +23,27 @@ def gates(shape, gen):
     return -A_log.exp()[:, None] * F.softplus(torch.randn(shape, generator=gen) - 4)
 
 
+def check_args(args) -> None:
+    """Bad input, found before any work (ValueError naming the argument)."""
+    if not args.lengths or min(args.lengths) < 1:
+        raise ValueError(f"--lengths must be positive integers, got {args.lengths}")
+    for name in ("decode", "heads", "head_dim"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", type=int, nargs="+", default=[300, 45, 1000])
     p.add_argument("--decode", type=int, default=16, help="tokens to decode after each document")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
     gen = torch.Generator().manual_seed(0)
     N, H, D, n_dec = len(args.lengths), args.heads, args.head_dim, args.decode
     docs = []

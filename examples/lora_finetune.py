@@ -28,8 +28,9 @@ fresh model is saved (with its processor) under OUT/base first and trained from 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
-import json
+import math
 import os
 import random
 import sys
@@ -41,13 +42,17 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import kimi_hf
 from kimi_hf.chat import generate_replies
+from kimi_hf.cli_args import ArgumentParser
 from kimi_hf.collators import KimiHybridVisionCollator
+from kimi_hf.model_folder import check_model_folder
 from kimi_hf.presets import small_multimodal_model
 from kimi_hf.tokenization import train_tokenizer
 
 
 MODULES = ["json", "csv", "random", "string", "textwrap", "heapq", "bisect", "fractions"]
 QUESTION = "Which module is this from?\n"
+# the folders --model takes: image-text models with a processor (Kimi Linear's multimodal model, Kimi K3)
+MODEL_TYPES = (kimi_hf.KimiHybridConfig.model_type, kimi_hf.KimiK3Config.model_type)
 
 
 def examples(seed: int) -> list[dict]:
@@ -68,18 +73,35 @@ def examples(seed: int) -> list[dict]:
     return rows
 
 
-def load_base(model_dir: str | None, rows, out: str, experts_format: str = "auto"):
-    """The base model and its processor: from model_dir, or a fresh tiny model saved under OUT/base and loaded
-    back from there (so that the adapter's base_model_name_or_path names a folder AutoPeftModel can load)."""
+def check_args(args) -> str | None:
+    """Bad input, found before any work (ValueError / OSError naming the argument). Returns --model's model_type."""
+    for name in ("steps", "rank"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    if args.model is None:
+        return None
+    model_type = check_model_folder(args.model, what="--model", model_types=MODEL_TYPES)["model_type"]
+    if not any(
+        os.path.isfile(os.path.join(args.model, f)) for f in ("processor_config.json", "preprocessor_config.json")
+    ):
+        raise FileNotFoundError(f"--model {args.model!r} has no processor (processor_config.json): save one beside it")
+    return model_type
+
+
+def load_base(model_dir: str | None, model_type: str | None, rows, out: str, experts_format: str = "auto"):
+    """The base model and its processor: from model_dir (checked: its model_type), or a fresh tiny model saved
+    under OUT/base and loaded back from there (so that the adapter's base_model_name_or_path names a folder
+    AutoPeftModel can load)."""
     if model_dir:
         model_dir = os.path.abspath(model_dir)  # recorded in the adapter's config: loadable from any directory
         processor = AutoProcessor.from_pretrained(model_dir)
-        multimodal = (
-            json.load(open(os.path.join(model_dir, "config.json")))["model_type"]
-            == kimi_hf.KimiHybridConfig.model_type
-        )
+        multimodal = model_type == kimi_hf.KimiHybridConfig.model_type
         auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
-        k3 = json.load(open(os.path.join(model_dir, "config.json")))["model_type"] == kimi_hf.KimiK3Config.model_type
+        k3 = model_type == kimi_hf.KimiK3Config.model_type
         kwargs = {"experts_format": experts_format} if k3 else {}  # K3: routed experts MXFP4-resident or dense
         return auto.from_pretrained(model_dir, **kwargs), processor
     tokenizer = train_tokenizer(
@@ -89,7 +111,17 @@ def load_base(model_dir: str | None, rows, out: str, experts_format: str = "auto
     base_dir = os.path.abspath(os.path.join(out, "base"))
     small_multimodal_model(tokenizer, "tiny").save_pretrained(base_dir)
     processor.save_pretrained(base_dir)
-    return load_base(base_dir, rows, out)
+    return load_base(base_dir, kimi_hf.KimiHybridConfig.model_type, rows, out)
+
+
+@contextlib.contextmanager
+def quiet_peft_deprecation():
+    """PEFT (0.21) reads the model's `is_gradient_checkpointing` when it wraps one (get_peft_model, PeftModel loading);
+    transformers 5.25 deprecates that property for `is_activation_checkpointing` with a FutureWarning about PEFT's
+    code, which nothing here can change: that one warning is hidden, any other shows."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        yield
 
 
 def lora_targets(model) -> list[str]:
@@ -109,9 +141,13 @@ def accuracy(model, processor, rows) -> float:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
-        "--model", default=None, help="a save_pretrained directory with a processor (default: a fresh tiny model)"
+        "--model",
+        default=None,
+        help=f"a save_pretrained directory with a processor, model_type {' or '.join(MODEL_TYPES)} "
+        "(default: a fresh tiny model)",
     )
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--rank", type=int, default=8)
@@ -125,9 +161,13 @@ def main(argv=None) -> dict:
         help="Kimi K3's routed experts: kept in MXFP4 (auto for an MXFP4 folder) or dequantised at load",
     )
     args = p.parse_args(argv)
+    try:
+        model_type = check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
     torch.manual_seed(args.seed)
     rows = examples(args.seed)
-    base, processor = load_base(args.model, rows, args.out, args.experts_format)
+    base, processor = load_base(args.model, model_type, rows, args.out, args.experts_format)
     experts_format = getattr(base, "experts_format", "dense")
     experts_mb = sum(p.numel() * p.element_size() for n, p in base.named_parameters() if ".experts." in n) / 2**20
     print(f"routed experts: {experts_format} ({experts_mb:.3g} MB in memory)")
@@ -138,7 +178,8 @@ def main(argv=None) -> dict:
     lora = LoraConfig(
         r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.0, target_modules=targets, task_type="CAUSAL_LM"
     )
-    model = get_peft_model(base, lora)
+    with quiet_peft_deprecation():
+        model = get_peft_model(base, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
     print(f"LoRA r={args.rank} on {targets}: {trainable:,} trainable of {total:,} ({100 * trainable / total:.1f}%)")
@@ -170,7 +211,9 @@ def main(argv=None) -> dict:
     with torch.no_grad():
         expected = model(input_ids=probe["input_ids"]).logits
         # the adapter folder alone: the base model comes from its base_model_name_or_path
-        reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter).to(model.device).eval()  # Trainer may use CUDA
+        with quiet_peft_deprecation():
+            reloaded = AutoPeftModelForCausalLM.from_pretrained(adapter)
+        reloaded = reloaded.to(model.device).eval()  # Trainer may use CUDA
         reload_diff = (reloaded(input_ids=probe["input_ids"]).logits - expected).abs().max().item()
         merged = reloaded.merge_and_unload()
         merge_diff = (merged(input_ids=probe["input_ids"]).logits - expected).abs().max().item()

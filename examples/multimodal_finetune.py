@@ -14,6 +14,7 @@ The accuracy depends on --seed (data, initialisation, batch order), and on the m
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import torch
@@ -21,6 +22,7 @@ from transformers import Trainer, TrainingArguments
 
 from kimi_hf import KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor, KimiHybridProcessor
 from kimi_hf.chat import IMAGE_TOKEN, chat_stop_token_ids
+from kimi_hf.cli_args import ArgumentParser
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types
 from kimi_hf.optim import MuonClip, MuonClipCallback
@@ -67,8 +69,22 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
     return KimiHybridForConditionalGeneration(config)
 
 
+def check_args(args) -> None:
+    """Bad input, found before any work (ValueError / OSError naming the argument)."""
+    for name in ("train", "eval", "steps", "batch", "hidden", "vision_hidden", "image_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.batch > args.train:  # the Trainer drops the last partial batch: no batch at all
+        raise ValueError(f"--batch ({args.batch}) must not exceed --train ({args.train})")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise ValueError(f"--lr must be a positive number, got {args.lr}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+
+
 def main(argv=None) -> float:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--train", type=int, default=6000, help="training scenes")
     p.add_argument("--eval", type=int, default=256, help="held-out scenes")
     p.add_argument("--steps", type=int, default=1500)
@@ -80,6 +96,10 @@ def main(argv=None) -> float:
     p.add_argument("--seed", type=int, default=0, help="data, initialisation and batch order (the accuracy varies)")
     p.add_argument("--out", default="outputs/multimodal")
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
     torch.manual_seed(args.seed)
     torch.set_flush_denormal(True)
 

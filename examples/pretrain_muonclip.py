@@ -21,6 +21,7 @@ import torch
 from accelerate import Accelerator
 
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig
+from kimi_hf.cli_args import ArgumentParser
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip
 
@@ -48,8 +49,21 @@ def small_config(hidden: int = 64, layers: int = 4) -> KimiHybridTextConfig:
     )
 
 
+def check_args(args) -> None:
+    """Bad input, found before any work (ValueError / OSError naming the argument)."""
+    for name in ("steps", "batch", "seq", "hidden", "corpus_bytes"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    for name in ("lr", "qk_clip_tau"):
+        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+
+
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--batch", type=int, default=8, help="global batch (split across processes)")
     p.add_argument("--seq", type=int, default=128)
@@ -60,6 +74,10 @@ def main(argv=None):
     p.add_argument("--corpus-bytes", type=int, default=2_000_000)
     p.add_argument("--out", default=None, help="save the model and the loss history here")
     args = p.parse_args(argv)
+    try:
+        check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.set_flush_denormal(True)

@@ -14,20 +14,25 @@ assigned documents one tool call per step, then answer; the orchestrator splits 
 with `--step-latency` seconds per model call standing in for generation time. It measures what the
 runtime adds: critical steps, wall time, and how a fixed step budget caps a serial agent. With
 --backend openai / transformers the same comparison runs with a real model choosing the tool calls.
-Speed-ups are printed, beside the answers' quality, only when both runs finished. Traces (JSONL) are
-written to --out.
+Speed-ups are printed, beside the answers' quality, only when both runs finished; a run that failed (a backend
+error) makes the exit status 1. Traces (JSONL) are written to --out.
 """
 
 from __future__ import annotations
 
-import argparse
 import importlib
+import json
 import math
 import os
 import re
 import sys
+import urllib.error
+import urllib.request
 import warnings
 
+from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.model_folder import check_model_folder
+from kimi_hf.serving import served_model_types
 from kimi_hf.swarm import (
     OpenAIBackend,
     ScriptedBackend,
@@ -158,6 +163,46 @@ def quality(answer: str | None, docs, names) -> float:
     return sum(first_sentence(docs[n]) in answer for n in names) / len(names)
 
 
+def check_server(base_url: str, timeout: float = 10.0) -> None:
+    """That an OpenAI-compatible server answers at base_url (GET /models; any HTTP answer counts: some servers do not
+    list models), so that an unreachable one is one line before the runs instead of every request failing."""
+    url = base_url.rstrip("/") + "/models"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            json.loads(r.read() or b"{}")
+    except urllib.error.HTTPError:
+        return  # the server answered
+    except (urllib.error.URLError, OSError) as e:  # refused, unknown host, timed out
+        raise ConnectionError(f"--base-url {base_url}: no server answers ({getattr(e, 'reason', e)})") from None
+    except ValueError:
+        raise ValueError(
+            f"--base-url {base_url}: {url} does not answer JSON (not an OpenAI-compatible server?)"
+        ) from None
+
+
+def check_args(args) -> None:
+    """Bad input, found before any run (ValueError / OSError naming the argument)."""
+    if not 1 <= args.modules <= len(MODULES):
+        raise ValueError(f"--modules must be in 1..{len(MODULES)}, got {args.modules}")
+    for name in ("per_agent", "max_steps", "concurrency", "max_new_tokens"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if not args.step_latency >= 0:  # NaN too
+        raise ValueError(f"--step-latency must be >= 0, got {args.step_latency}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    if args.backend == "scripted":
+        return
+    if not args.model:
+        raise ValueError(f"--model is required with --backend {args.backend}")
+    if args.backend == "transformers":
+        check_model_folder(args.model, what="--model", model_types=served_model_types())
+    else:
+        if not args.base_url.startswith(("http://", "https://")):
+            raise ValueError(f"--base-url must start with http:// or https://, got {args.base_url!r}")
+        check_server(args.base_url)
+
+
 def backends(args):
     if args.backend == "scripted":
         return (
@@ -179,7 +224,8 @@ def backends(args):
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # one-line usage errors (`PROG: error: ...`, exit 2), for argparse's checks and for check_args'
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--modules", type=int, default=24, help=f"documents to cover (<= {len(MODULES)})")
     p.add_argument("--per-agent", type=int, default=4, help="scripted orchestrator: modules per sub-agent")
     p.add_argument(
@@ -193,10 +239,10 @@ def main(argv=None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--out", default="outputs/swarm_wide_search")
     args = p.parse_args(argv)
-    if not 1 <= args.modules <= len(MODULES):
-        p.error(f"--modules must be in 1..{len(MODULES)}")
-    if args.backend != "scripted" and not args.model:
-        p.error("--model is required with --backend openai / transformers")
+    try:
+        check_args(args)
+    except (ValueError, TypeError, OSError) as e:
+        p.error(" ".join(str(e).split()))
     os.makedirs(args.out, exist_ok=True)
     docs = load_docs(MODULES)
     names = [n for n in MODULES if n in docs][: args.modules]
@@ -255,5 +301,5 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    sys.exit(0)
+    # a run that failed (the server went away, a backend error) is no comparison: exit status 1
+    sys.exit(1 if any(row["status"] == "error" for row in main().values()) else 0)

@@ -114,11 +114,11 @@ def resource_usage(cubin: bytes) -> dict:
     return {"registers": grab("REG"), "stack": grab("STACK"), "shared": grab("SHARED")}
 
 
-def parser(doc: str, warps: list[int], dtypes: list[str]) -> argparse.ArgumentParser:
-    """The compile checks' common flags: --arch, --warps, --dtype."""
+def parser(doc: str, warps: list[int] | None, dtypes: list[str]) -> argparse.ArgumentParser:
+    """The compile checks' common flags: --arch, --warps (default `warps`; None: every autotuner config's), --dtype."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
-    p.add_argument("--warps", type=int, nargs="+", default=warps)
+    p.add_argument("--warps", type=int, nargs="+", default=warps, help=None if warps else "only configs with these")
     p.add_argument("--dtype", nargs="+", default=dtypes, choices=["fp32", "bf16", "fp16"])
     return p
 
@@ -130,16 +130,27 @@ def parse(p: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
     return args
 
 
-def print_header(title: str) -> None:
+def print_header(title: str, extra: tuple[str, ...] = ()) -> None:
+    """The table's title and header; `extra` columns go last (the six before them keep their places)."""
     print(title)
-    print("| kernel | dtype | warps | registers / thread | stack bytes / thread (spills) | shared bytes |")
-    print("|---|---|---|---|---|---|")
+    columns = (
+        "kernel",
+        "dtype",
+        "warps",
+        "registers / thread",
+        "stack bytes / thread (spills)",
+        "shared bytes",
+        *extra,
+    )
+    print("| " + " | ".join(columns) + " |")
+    print("|" + "---|" * len(columns))
 
 
-def print_row(name: str, dtype: str, warps: int, compiled) -> None:
-    """One table row: the compiled kernel's registers, spills and shared memory (cuobjdump)."""
+def print_row(name: str, dtype: str, warps: int, compiled, extra: tuple[str, ...] = ()) -> None:
+    """One table row: the compiled kernel's registers, spills and shared memory (cuobjdump), then `extra`."""
     usage = resource_usage(compiled.asm["cubin"])
-    print(f"| {name} | {dtype} | {warps} | {usage['registers']} | {usage['stack']} | {usage['shared']} |", flush=True)
+    cells = (name, dtype, warps, usage["registers"], usage["stack"], usage["shared"], *extra)
+    print("| " + " | ".join(str(c) for c in cells) + " |", flush=True)
 
 
 def main(argv=None):

@@ -23,14 +23,16 @@ import triton.language as tl
 from ..kda.common import INTERPRET
 
 
-# (BN, BK, warps) tried by the autotuner: the sm_90 bf16 builds of these keep every register (no spills; the list is
-# from `python -m kimi_hf_kernels.mxfp4.compile_check`); one small config under the interpreter
-_CONFIGS = ((64, 32, 4), (64, 32, 8), (128, 32, 8), (64, 64, 8), (32, 64, 8))
-CONFIGS = (
-    [triton.Config({"BN": 32, "BK": 32}, num_warps=1)]
-    if INTERPRET
-    else [triton.Config({"BN": n, "BK": k}, num_warps=w, num_stages=2) for n, k, w in _CONFIGS]
+# (BN, BK, warps) tried by the autotuner on a GPU: the sm_90 bf16 builds of these keep every register (no spills), at
+# every BM (`python -m kimi_hf_kernels.mxfp4.compile_check` builds each one); one small config under the interpreter
+GPU_CONFIGS = tuple(
+    triton.Config({"BN": n, "BK": k}, num_warps=w, num_stages=2)
+    for n, k, w in ((64, 32, 4), (64, 32, 8), (128, 32, 8), (64, 64, 8), (32, 64, 8))
 )
+CONFIGS = [triton.Config({"BN": 32, "BK": 32}, num_warps=1)] if INTERPRET else list(GPU_CONFIGS)
+# BM, the rows of a tile (one expert's): the smallest that holds the largest expert's rows, else the last (a call's
+# constant, so each autotuned config is built once per BM used)
+BLOCK_ROWS = (16, 32, 64)
 
 
 @triton.jit
@@ -134,7 +136,7 @@ def mxfp4_grouped_matmul(
     if x.shape[0] == 0:
         return y
     most = max(counts)
-    BM = 16 if most <= 16 else 32 if most <= 32 else 64
+    BM = next((bm for bm in BLOCK_ROWS if most <= bm), BLOCK_ROWS[-1])
     expert, row, end = _tiles(counts, BM, x.device)
 
     def grid(meta):

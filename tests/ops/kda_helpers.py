@@ -67,3 +67,61 @@ def safe_gate_inputs(T, H, K, V, N, seed):
     dt_bias = torch.randn(H * K, generator=gen) * 0.5
     h0 = torch.randn(N, H, K, V, generator=gen)
     return q, k, v, f, beta, A_log, dt_bias, h0
+
+
+def safe_gate_prefix_run(xs, cut, **kw):
+    """Kimi K3's chunk_kda (safe gate fused: use_gate_in_kernel with A_log, dt_bias and lower_bound; sigmoid(beta),
+    the L2 norm, an initial state) on xs = (q, k, v, f, beta, A_log, dt_bias, h0) as `safe_gate_inputs` returns
+    them, and a backward of a fixed random weighting of the outputs before position `cut` only.
+    Returns o and the gradients of the 8 inputs."""
+    from kimi_hf.ops import chunk_kda
+
+    leaves = [x.detach().clone().requires_grad_() for x in xs]
+    q, k, v, f, beta, A_log, dt_bias, h0 = leaves
+    o, _ = chunk_kda(
+        q,
+        k,
+        v,
+        f,
+        beta,
+        initial_state=h0,
+        use_qk_l2norm=True,
+        use_gate_in_kernel=True,
+        safe_gate=True,
+        lower_bound=LOWER_BOUND,
+        A_log=A_log,
+        dt_bias=dt_bias,
+        use_beta_sigmoid_in_kernel=True,
+        **kw,
+    )
+    w = torch.randn(o[:, :cut].shape, generator=torch.Generator().manual_seed(7), dtype=o.dtype)
+    (o[:, :cut] * w).sum().backward()
+    return o.detach(), [x.grad for x in leaves]
+
+
+def changed_after(xs, cut, seed):
+    """xs with q, k, v, f and beta replaced from position `cut` on: new random values, f at +30 on every channel
+    (the gate saturated at lower_bound: the strongest decay, an e^(5 * 64) range of decays over a chunk)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = [x.clone() for x in xs]
+    for i in range(5):
+        new = torch.randn(out[i][:, cut:].shape, generator=gen, dtype=out[i].dtype) * 4
+        out[i][:, cut:] = 30.0 if i == 3 else new
+    return out
+
+
+def assert_causal_prefix(xs, cut, **kw):
+    """Changing q, k, v, f and beta from position `cut` on (`changed_after`) leaves, bit for bit, the outputs before
+    `cut` and every gradient of a loss on them (`safe_gate_prefix_run`): the per-token gradients before `cut`
+    equal and exactly 0 from it on, those of A_log, dt_bias and the initial state equal. kw: chunk_kda's backend."""
+    o, grads = safe_gate_prefix_run(xs, cut, **kw)
+    o_changed, grads_changed = safe_gate_prefix_run(changed_after(xs, cut, seed=cut + 1), cut, **kw)
+    assert not torch.equal(o[:, cut:], o_changed[:, cut:])  # the change reached the outputs from `cut` on
+    assert torch.equal(o[:, :cut], o_changed[:, :cut]), (o[:, :cut] - o_changed[:, :cut]).abs().max()
+    names = ["q", "k", "v", "f", "beta", "A_log", "dt_bias", "h0"]
+    for i, (name, a, b) in enumerate(zip(names, grads, grads_changed)):
+        if i < 5:  # per token [B, T, ...]
+            assert torch.equal(a[:, :cut], b[:, :cut]), (name, (a[:, :cut] - b[:, :cut]).abs().max())
+            assert not a[:, cut:].any() and not b[:, cut:].any(), name
+        else:
+            assert torch.equal(a, b), (name, (a - b).abs().max())

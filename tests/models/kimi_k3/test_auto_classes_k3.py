@@ -3,6 +3,7 @@
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import torch
 from transformers import AutoModel, AutoModelForCausalLM
@@ -11,6 +12,9 @@ import kimi_hf
 from kimi_hf import KimiK3Config
 
 from .release_format import tiny_k3_config
+
+
+ROOT = Path(__file__).resolve().parents[3]  # the checkout: the child imports `tests` from it, whatever pytest's cwd
 
 
 def test_k3_classes_are_importable_from_the_package():
@@ -42,7 +46,7 @@ def test_experts_implementation_of_a_k3_text_model_built_first_in_a_process():
     script = textwrap.dedent(
         """
         import sys
-        sys.path.insert(0, ".")
+        sys.path.insert(0, sys.argv[1])  # the checkout (ROOT)
         import torch
         from tests.models.kimi_k3.release_format import tiny_k3_config
         from kimi_hf import KimiK3Config, KimiK3TextModel
@@ -61,5 +65,5 @@ def test_experts_implementation_of_a_k3_text_model_built_first_in_a_process():
         print("ok")
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", script, str(ROOT)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -120,7 +120,7 @@ def train(accelerator, arch: str, out: Path, gradient_checkpointing: bool = Fals
     torch.manual_seed(0)
     model = build_arch(arch)
     if gradient_checkpointing:
-        model.gradient_checkpointing_enable()  # transformers' (the layers checkpoint themselves: no wrapper)
+        model.activation_checkpointing_enable()  # transformers' (the layers checkpoint themselves: no wrapper)
     opt = MuonClip.from_model(model, lr=LR, qk_clip_tau=qk_clip_tau(arch))
     track_expert_load(model)  # the routers' hooks live on the modules, which DDP / FSDP2 keep
     model, opt = accelerator.prepare(model, opt)

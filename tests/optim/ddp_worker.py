@@ -23,7 +23,7 @@ def prepared(checkpointing: bool = True):
     torch.manual_seed(0)
     model = build("k3").train()
     if checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
     return model
 
 

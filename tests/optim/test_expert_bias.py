@@ -41,7 +41,7 @@ def test_routers_count_the_experts_they_chose_once(checkpointing):
     routers = track_expert_load(model)
     assert routers and all(r.expert_load.sum() == 0 for r in routers)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model(x, labels=x, use_cache=False).loss.backward()  # the recompute in the backward is not counted
     for router, want in zip(routers, expected):
         assert torch.equal(router.expert_load, want)

@@ -109,13 +109,13 @@ def test_gradient_checkpointing_save_load_peft_and_muonclip(tmp_path):
     for ckpt in (False, True):
         m.zero_grad()
         if ckpt:
-            m.gradient_checkpointing_enable()
+            m.activation_checkpointing_enable()
         m(x, labels=x, use_cache=False).loss.backward()
         grads.append(
             torch.cat([m.model.layers[1].mlp_res.query.grad, m.model.layers[0].self_attn.q_proj.weight.grad.flatten()])
         )
     assert rel_err(grads[1], grads[0]) < 1e-5
-    m.gradient_checkpointing_disable()
+    m.activation_checkpointing_disable()
     m.eval().save_pretrained(tmp_path)
     loaded = KimiHybridForCausalLM.from_pretrained(tmp_path).eval()
     assert loaded.config.attn_residual == "block" and loaded.config.attn_residual_block_size == 2

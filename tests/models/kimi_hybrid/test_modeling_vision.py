@@ -78,7 +78,7 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     for ckpt in (False, True):
         ours.zero_grad()
         if ckpt:
-            ours.gradient_checkpointing_enable()
+            ours.activation_checkpointing_enable()
         ours(pv, GRID[:2]).pooler_output.square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in ours.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5)

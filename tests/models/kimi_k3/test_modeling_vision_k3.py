@@ -443,7 +443,7 @@ def test_k3_tower_records_outputs_and_checkpoints_gradients():
     for ckpt in (False, True):
         model.zero_grad()
         if ckpt:
-            model.gradient_checkpointing_enable()
+            model.activation_checkpointing_enable()
         model(pv, GRID).pooler_output.square().sum().backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-5)

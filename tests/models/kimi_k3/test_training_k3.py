@@ -199,11 +199,7 @@ def test_trainer_with_muonclip_on_text_and_image_batches(tmp_path):
 
 
 def _enable_checkpointing(model, use_reentrant):
-    kwargs = {"use_reentrant": use_reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.24
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": use_reentrant})
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

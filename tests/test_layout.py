@@ -90,10 +90,10 @@ def test_data_flows_one_way():
         return any(module == p or module.startswith(p + ".") for p in prefixes)
 
     for module, deps in GRAPH.items():
-        if under(module, "kimi_hf.ops"):
-            assert all(under(d, "kimi_hf.ops") for d in deps), (module, deps)
-        if under(module, "kimi_hf.models"):  # Hub-copyable: the model folders, the ops, atomic_io only
-            allowed = ("kimi_hf.models", "kimi_hf.ops", "kimi_hf.atomic_io")
+        if under(module, "kimi_hf.ops"):  # the ops, and the standard-library leaf of the MX block size
+            assert all(under(d, "kimi_hf.ops", "kimi_hf.mx_block") for d in deps), (module, deps)
+        if under(module, "kimi_hf.models"):  # Hub-copyable: the model folders, the ops, the stdlib leaves only
+            allowed = ("kimi_hf.models", "kimi_hf.ops", "kimi_hf.atomic_io", "kimi_hf.mx_block")
             assert all(under(d, *allowed) for d in deps), (module, sorted(deps))
         if under(module, "kimi_hf.models.kimi_hybrid"):
             assert not any(under(d, "kimi_hf.models.kimi_k3") for d in deps), (module, sorted(deps))

@@ -14,6 +14,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 
+from ..mx_block import MX_BLOCK
 from .fp32 import k3_fp32, keeps_fp32
 from .safetensors_stream import DTYPES, FLOATS, INDEX, StoredTensor, numel, read_safetensors_header
 from .verify import verify_layer_count
@@ -21,7 +22,7 @@ from .verify import verify_layer_count
 
 MODEL_TYPE = "kimi_k3"
 MXFP4_FORMAT = "mxfp4-pack-quantized"
-GROUP = 32  # input elements per E8M0 scale (compressed-tensors group_size, the MX block size)
+GROUP = MX_BLOCK  # input elements per E8M0 scale (compressed-tensors group_size; kimi_hf.mx_block)
 OUT_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 _EXPERT = re.compile(
     r"^(?P<base>.*\.layers\.(?P<layer>\d+)\.block_sparse_moe\.experts\.(?P<e>\d+)\.(?P<w>w[123]))"

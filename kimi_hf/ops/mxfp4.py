@@ -28,8 +28,10 @@ import math
 
 import torch
 
+from ..mx_block import MX_BLOCK
 
-GROUP = 32  # elements per E8M0 scale (the MX block size)
+
+GROUP = MX_BLOCK  # elements per E8M0 scale (kimi_hf.mx_block)
 E8M0_BIAS = 127
 E8M0_NAN = 255
 # E2M1 by code: bit 3 the sign, bits 0-2 the magnitude (bit 0 the mantissa bit, bits 1-2 the exponent)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..mx_block import MX_BLOCK
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -60,10 +62,10 @@ def check_layout(layout: Layout, gpus: int, text_config, experts_format: str = "
         inter = text_config.moe_intermediate_size
         if ep == 1 and inter % tp:
             raise ValueError(f"--tp {tp} does not divide moe_intermediate_size ({inter})")
-        if ep == 1 and experts_format == "mxfp4" and (inter // tp) % 32:
+        if ep == 1 and experts_format == "mxfp4" and (inter // tp) % MX_BLOCK:
             raise ValueError(
                 f"--tp {tp} splits the MXFP4 experts' moe_intermediate_size ({inter}) into {inter // tp} inputs a rank, "
-                "not whole 32-value blocks: use --ep, or a smaller --tp"
+                f"not whole {MX_BLOCK}-value blocks: use --ep, or a smaller --tp"
             )
     elif ep > 1:
         raise ValueError(f"--ep {ep}: this model has no routed experts")

@@ -11,6 +11,7 @@ import torch
 from transformers.conversion_mapping import register_checkpoint_conversion_mapping
 from transformers.core_model_loading import ConversionOps, WeightRenaming
 
+from ...mx_block import MX_BLOCK
 from ..kimi_hybrid.conversion_mapping_kimi_hybrid import (
     EXPERT_WEIGHTS,
     Flatten,
@@ -111,7 +112,7 @@ class DequantizeMxfp4(ConversionOps):
         n_in, device = cols.pop(), parts[0][1][0].device
         if resident:
             out = torch.empty(E, sum(rows), n_in // 2, dtype=torch.uint8, device=device)
-            out_scale = torch.empty(E, sum(rows), n_in // 32, dtype=torch.uint8, device=device)
+            out_scale = torch.empty(E, sum(rows), n_in // MX_BLOCK, dtype=torch.uint8, device=device)
         else:
             out = torch.empty(E, sum(rows), n_in, dtype=dtype, device=device)
         start = 0

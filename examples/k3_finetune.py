@@ -8,13 +8,16 @@ parallelism, context parallelism (--cp), sharded checkpoints to resume from.
     accelerate launch --config_file examples/accelerate/cpu_k3_finetune.yaml examples/k3_finetune.py ...
 
 Rank 0 prints one JSON line per optimizer step, {"step": i, "loss": x}, and nothing else on stdout (errors: one
-line on stderr, exit status 2). A step trains on the same global batch in every layout, --micro-batch sequences of
---seq-len tokens times --micro-batches (default 4), split over the data ranks (dp_replicate x fsdp = world /
-(pp x tp); with --cp C, every C consecutive data ranks split each sequence instead: kimi_hf.distributed.context), so
-the same seed and data give the same losses on any layout (to rounding). --data random draws seeded
-token ids below the config's vocab_size (a folder without a tokenizer; the image placeholder id left out); --data
-stdlib tokenizes the Python standard library's sources with the folder's tokenizer. --export DIR writes the trained
-model in K3's released layout from the last checkpoint, streaming (LoRA: merged into the source folder's weights).
+line on stderr, exit status 2; what is refused before the process group starts is printed once: a bad --model folder,
+a layout, with the flag that makes it run, the batch, --data, --resume, --export). A step trains on the same global
+batch in every layout, --micro-batch sequences of --seq-len tokens times --micro-batches (default 4), split over the
+data ranks (dp_replicate x fsdp = world / (pp x tp); with --cp C, every C consecutive data ranks split each sequence
+instead: kimi_hf.distributed.context), so the same seed and data give the same losses on any layout (to rounding).
+--data random draws seeded token ids below the config's vocab_size (a folder without a tokenizer; the image
+placeholder id left out); --data stdlib tokenizes the Python standard library's sources with the folder's tokenizer.
+--export DIR writes the trained model in K3's released layout from the last checkpoint, streaming (LoRA: merged into
+the source folder's weights); an existing DIR is refused before training starts unless --overwrite is given (it is
+then replaced once the new folder is complete).
 
 --checkpoint-dir D saves a sharded checkpoint (torch.distributed.checkpoint) at the end (and every --save-every
 steps): model (LoRA: the adapters), optimizer states, scheduler, step. --resume continues from D's latest step,
@@ -56,6 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument(
         "--export", metavar="DIR", help="at the end, the trained model in K3's released layout (LoRA: merged)"
     )
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --export DIR")
     args = p.parse_args(argv)
     args.lora = not args.full
     for name in ("steps", "seq_len", "micro_batch", "micro_batches", "lora_rank"):
@@ -70,11 +74,80 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> list[float]:
     args = parse_args(argv)
+    # refused before the process group starts, alike on every rank: printed once (the folders: once a node)
     try:
-        return run(args)
+        config = check_files(args)
     except (ValueError, TypeError, OSError) as e:
-        print(f"k3_finetune: error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
+        refuse(e, printer="LOCAL_RANK")
+    try:
+        layout = check_layout(args, config, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, TypeError, OSError) as e:
+        refuse(e, printer="RANK")
+    try:
+        return run(args, config, layout)
+    except (ValueError, TypeError, OSError) as e:
+        refuse(e)
+
+
+PRINTER_GRACE_S = 30  # how long the silent ranks of a refusal wait for the printing one (then exit all the same)
+
+
+def refuse(error: Exception, printer: str | None = None):
+    """One line on stderr, exit status 2. printer: for a refusal that every rank makes alike, the environment
+    variable ("RANK", "LOCAL_RANK") whose rank 0 alone prints it; the other ranks first wait (the printing one's exit
+    ends them sooner), as torchrun stops every rank once one has failed, the printing one too if it had not printed
+    yet."""
+    if printer is None or os.environ.get(printer, "0") == "0":
+        print(f"k3_finetune: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(PRINTER_GRACE_S)
+    raise SystemExit(2) from None
+
+
+def check_files(args):
+    """The folders, before any expensive work: --model (`kimi_hf.model_folder.check_model_folder`: its config.json
+    and every safetensors header against its file's size), its tokenizer for --data stdlib, --checkpoint-dir's steps
+    for --resume, the --export folder rank 0 will write (new, or --overwrite). Returns the model's config."""
+    from kimi_hf.model_folder import check_model_folder
+
+    check_model_folder(args.model, what="--model", model_types=MODEL_TYPES)
+    config = read_config(args.model)
+    if args.data == "stdlib" and not any(
+        os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise ValueError(f"--data stdlib needs a tokenizer in --model {args.model}; use --data random")
+    if args.resume:
+        from kimi_hf.distributed.checkpoint import checkpoint_steps
+
+        if not checkpoint_steps(args.checkpoint_dir):
+            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint (step-N folder) to resume from")
+    if args.export and os.environ.get("RANK", "0") == "0":
+        from kimi_hf.distributed.export import check_export_dir
+
+        check_export_dir(args.export, args.model, args.checkpoint_dir, args.overwrite)
+    return config
+
+
+def check_layout(args, config, world: int):
+    """The layout of the flags on `world` ranks, refused with the flag that makes it run (`TrainingLayout.check`),
+    the sequence over --cp, the batch over the data ranks, LoRA with --tp. Returns the TrainingLayout."""
+    from kimi_hf.distributed.mesh import TrainingLayout
+    from kimi_hf.models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
+
+    text = config.get_text_config()
+    layout = TrainingLayout(tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp, cp=args.cp)
+    check_context_split(args, text)
+    # MXFP4 experts are cut before they are decoded (also when --full loads them dense)
+    layout.check(world, text, "mxfp4" if experts_are_mxfp4(text) else "dense")
+    check_batch(args, layout, world)
+    if args.lora and args.tp > 1:
+        raise ValueError(
+            f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
+            "--ep / --fsdp / --pp for LoRA, or add --full"
+        )
+    return layout
 
 
 # ---- set-up ------------------------------------------------------------------------------------------------------
@@ -92,17 +165,17 @@ def init_distributed():
     return (dist.get_rank() if world > 1 else 0), world, device or torch.device("cpu")
 
 
+# the language models this trains (Kimi K3 with or without its tower, Kimi Linear)
+MODEL_TYPES = ("kimi_k3", "kimi_k3_text", "kimi_hybrid", "kimi_hybrid_text")
+
+
 def read_config(folder: str):
+    """The transformers config of a folder `check_model_folder` accepted."""
     from transformers import AutoConfig
 
     import kimi_hf  # noqa: F401  (registers the Kimi classes)
 
-    if not os.path.isfile(os.path.join(folder, "config.json")):
-        raise ValueError(f"--model {folder}: no config.json")
-    config = AutoConfig.from_pretrained(folder)
-    if not config.model_type.startswith(("kimi_k3", "kimi_hybrid")):
-        raise ValueError(f"--model {folder}: model_type {config.model_type!r} is not Kimi K3 / Kimi Linear")
-    return config
+    return AutoConfig.from_pretrained(folder)
 
 
 def model_class(config):
@@ -206,39 +279,39 @@ def check_context_split(args, text_config) -> None:
     from kimi_hf.models.kimi_hybrid.context_kimi_hybrid import check_slice_length
 
     if args.seq_len % args.cp:
-        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {args.cp}")
-    check_slice_length(text_config, args.seq_len // args.cp, f"--seq-len {args.seq_len} over --cp {args.cp}")
+        fix = -(-args.seq_len // args.cp) * args.cp
+        raise ValueError(f"--seq-len {args.seq_len} is not divisible by --cp {args.cp}; use --seq-len {fix}")
+    try:
+        check_slice_length(text_config, args.seq_len // args.cp, f"--seq-len {args.seq_len} over --cp {args.cp}")
+    except ValueError as e:
+        raise ValueError(f"{e}: --seq-len {args.cp * (text_config.linear_conv_kernel_dim - 1)} or more") from None
+
+
+def check_batch(args, layout, world: int) -> None:
+    """--micro-batches over the ranks that see distinct batches, and the 1F1B schedule's micro-batches a stage."""
+    batches = layout.batch_ranks(world)
+    local = args.micro_batches // batches
+    stages = args.pp if args.pp > 1 and args.schedule == "1f1b" else 1  # micro-batches a rank needs at least
+    fix = f"use --micro-batches {max(-(-args.micro_batches // batches), stages) * batches}"
+    if args.micro_batches % batches:
+        raise ValueError(f"--micro-batches {args.micro_batches} is not divisible by the {batches} data ranks; {fix}")
+    if args.pp > 1 and args.schedule == "1f1b" and local < args.pp:
+        raise ValueError(
+            f"--micro-batches {args.micro_batches} over {batches} data ranks leaves {local} a rank, fewer than the "
+            f"--pp {args.pp} stages the 1F1B schedule needs; {fix} (or --schedule gpipe)"
+        )
 
 
 class Job:
     """The model of this rank, how a step runs on it, and the groups the optimizer reduces over."""
 
-    def __init__(self, args, config, rank, world, device):
-        from kimi_hf.distributed.mesh import TrainingLayout
-        from kimi_hf.models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
-
+    def __init__(self, args, config, layout, rank, world, device):
+        """`layout`: checked by `check_layout` on this world size."""
         self.args, self.config, self.rank, self.world, self.device = args, config, rank, world, device
-        text = config.get_text_config()
-        self.layout = TrainingLayout(tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp, cp=args.cp)
-        check_context_split(args, text)
-        # MXFP4 experts are cut before they are decoded (also when --full loads them dense)
-        experts = "mxfp4" if experts_are_mxfp4(text) else "dense"
-        self.layout.check(world, text, experts)
-        self.dp = self.layout.data_ranks(world)  # what FSDP2 / transformers average gradients over
-        self.batches = self.layout.batch_ranks(world)  # distinct batches: a context-parallel group splits one
-        if args.micro_batches % self.batches:
-            raise ValueError(f"--micro-batches {args.micro_batches} is not divisible by the {self.batches} data ranks")
+        self.layout = layout
+        self.dp = layout.data_ranks(world)  # what FSDP2 / transformers average gradients over
+        self.batches = layout.batch_ranks(world)  # distinct batches: a context-parallel group splits one
         self.local_micro = args.micro_batches // self.batches
-        if args.pp > 1 and args.schedule == "1f1b" and self.local_micro < args.pp:
-            raise ValueError(
-                f"--micro-batches {args.micro_batches} over {self.dp} data ranks leaves {self.local_micro} a rank, "
-                f"fewer than the --pp {args.pp} stages the 1F1B schedule needs"
-            )
-        if args.lora and args.tp > 1:
-            raise ValueError(
-                f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
-                "--ep / --fsdp / --pp for LoRA, or --full"
-            )
         if args.pp > 1 or args.tp == args.ep == 1:
             self._build_fsdp_pipeline()
         else:
@@ -406,7 +479,8 @@ def optimizer_and_scheduler(job: Job):
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: min(1.0, (step + 1) / 2))
 
 
-def run(args) -> list[float]:
+def run(args, config, layout) -> list[float]:
+    """Trains (and saves, exports) on this rank: `config` and `layout` as `check_files` / `check_layout` checked."""
     import torch
     import torch.distributed as dist
 
@@ -414,18 +488,8 @@ def run(args) -> list[float]:
     from kimi_hf.optim import track_expert_load, update_expert_bias
 
     rank, world, device = init_distributed()
-    config = read_config(args.model)
-    if args.data == "stdlib" and not any(
-        os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        raise ValueError(f"--data stdlib needs a tokenizer in --model {args.model}; use --data random")
-    if args.resume:
-        from kimi_hf.distributed.checkpoint import checkpoint_steps
-
-        if not checkpoint_steps(args.checkpoint_dir):
-            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint (step-N folder) to resume from")
     torch.manual_seed(args.seed)
-    job = Job(args, config, rank, world, device)
+    job = Job(args, config, layout, rank, world, device)
     opt, scheduler = optimizer_and_scheduler(job)
     batches = Batches(args, config, args.model)
     balance = args.full  # LoRA keeps the base model's expert biases
@@ -469,9 +533,9 @@ def export(args, config, rank: int, world: int) -> None:
     if rank == 0:
         step_dir = os.path.join(args.checkpoint_dir, f"step-{checkpoint_steps(args.checkpoint_dir)[-1]}")
         if args.lora:
-            export_lora(step_dir, args.model, args.export, scaling=2.0)  # lora_alpha = 2 r
+            export_lora(step_dir, args.model, args.export, scaling=2.0, overwrite=args.overwrite)  # lora_alpha = 2 r
         else:
-            export_full(step_dir, args.model, args.export)
+            export_full(step_dir, args.model, args.export, overwrite=args.overwrite)
     if world > 1:
         dist.barrier()
 

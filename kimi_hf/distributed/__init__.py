@@ -1,5 +1,6 @@
 """Distributed training of Kimi Linear and Kimi K3 on torch.distributed: pipeline stages with Attention Residuals
-(`pipeline`), the device mesh of a layout (`mesh`), sharded checkpoints (`checkpoint`). See docs/parallelism.md."""
+(`pipeline`), the device mesh of a layout (`mesh`), sharded checkpoints (`checkpoint`), the trained model exported in
+K3's released layout from them (`export`). See docs/parallelism.md."""
 
 from .pipeline import (
     SCHEDULES,

@@ -7,7 +7,7 @@ flattened optimizer states included, so a checkpoint loads onto another layout: 
 more or fewer ranks, one process (DCP reshards on load).
 
     state = TrainState(model, optimizer, scheduler, trainable_only=lora)
-    save_checkpoint(folder, state, step)      # folder/step-N, written as folder/.step-N.tmp then renamed
+    save_checkpoint(folder, state, step)      # folder/step-N, written as folder/.step-N.tmp then installed
     step = load_checkpoint(folder, state)     # the latest step-N; the next step to run is the returned one
 """
 
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
+
+from ..conversion.output_dir import discard, install
 
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
@@ -81,28 +82,26 @@ def checkpoint_steps(folder: str) -> list[int]:
 
 def save_checkpoint(folder: str, state: TrainState, step: int) -> str:
     """Saves `state` at `step` (the number of optimizer steps taken) as folder/step-N on every rank (a
-    collective). It is written to folder/.step-N.tmp and renamed once every rank has finished, so a crash never
-    leaves a step-N that does not load; files are made readable (0644) as ordinary checkpoints."""
+    collective). DCP writes it into folder/.step-N.tmp (a leftover of a crashed save is removed first), which is
+    installed as step-N once every rank has finished (`conversion.output_dir.install`: an existing step-N is
+    replaced only then), so a crash never leaves a step-N that does not load. The folder and DCP's files get
+    mkdir's / open()'s modes (0755 / 0644 under umask 022), as ordinary checkpoints."""
     final = os.path.join(folder, f"step-{step}")
-    tmp = os.path.join(folder, f".step-{step}.tmp")
+    tmp = os.path.join(folder, f".step-{step}.tmp")  # the same name on every rank: DCP's checkpoint_id
     if _rank() == 0:
         os.makedirs(folder, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        discard(tmp)
     _barrier()
     state.step = step
-    dcp.save({"train": state}, checkpoint_id=tmp)
-    _barrier()
-    if _rank() == 0:
-        umask = os.umask(0)
-        os.umask(umask)
-        for root, dirs, files in os.walk(tmp):
-            for name in dirs:
-                os.chmod(os.path.join(root, name), 0o777 & ~umask)
-            for name in files:
-                os.chmod(os.path.join(root, name), 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
+    try:
+        dcp.save({"train": state}, checkpoint_id=tmp)
+        _barrier()
+        if _rank() == 0:
+            install(tmp, final, overwrite=True)
+    except BaseException:
+        if _rank() == 0:
+            discard(tmp)
+        raise
     _barrier()
     return final
 

@@ -3,7 +3,7 @@ and tensor / expert parallel (tp, ep) sizes over the world, with the checks of `
 dividing the world, the heads, the experts; a pipeline stage without layers) made before any model is built.
 
     layout = TrainingLayout(pp=2, fsdp=2)
-    layout.check(world_size, text_config)                 # ValueError naming the size
+    layout.check(world_size, text_config)                 # ValueError naming the size and the flag that fixes it
     mesh = layout.build_mesh("cpu")                       # DeviceMesh ("pp", "dp_replicate", "fsdp", "tp")
 
 What runs on which mesh (docs/parallelism.md):
@@ -20,7 +20,7 @@ What runs on which mesh (docs/parallelism.md):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch.distributed as dist
 
@@ -37,8 +37,42 @@ class TrainingLayout:
     cp: int = 1
 
     def check(self, world_size: int, text_config, experts_format: str = "dense") -> int:
-        """Raises ValueError (naming the size) for a layout that cannot run the model on `world_size` ranks or
-        that this package does not run yet; returns dp_replicate."""
+        """Raises ValueError for a layout that cannot run the model on `world_size` ranks or that this package does
+        not run yet, naming the size and, where one flag makes it run, that flag (`fix`); returns dp_replicate."""
+        try:
+            return self._check(world_size, text_config, experts_format)
+        except ValueError as e:
+            fix = self.fix(world_size, text_config, experts_format)
+            raise ValueError(f"{e}; {fix}" if fix else str(e)) from None
+
+    def fix(self, world_size: int, text_config, experts_format: str = "dense") -> str | None:
+        """The one flag that makes this refused layout run on `world_size` ranks, in this order of preference:
+        "add --fsdp 2" (a size left at 1, tried in the order fsdp, ep, cp, tp, pp, from the smallest size up), "use
+        --tp 4" (another size of one that was set, the nearest first), "drop --ep 3"; None when no single flag does
+        (or a size is not a positive integer)."""
+        sizes = asdict(self)
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in sizes.values()):
+            return None
+        order = ("fsdp", "ep", "cp", "tp", "pp")
+        sizes_here = [d for d in range(2, world_size + 1) if world_size % d == 0]  # every size divides the world
+        tries = [("add", n, v) for n in order if sizes[n] == 1 for v in sizes_here]
+        tries += [
+            ("use", n, v)
+            for n in order
+            if sizes[n] > 1
+            for v in sorted(sizes_here, key=lambda v: (abs(v - sizes[n]), v))
+            if v != sizes[n]
+        ]
+        tries += [("drop", n, 1) for n in order if sizes[n] > 1]
+        for verb, name, size in tries:
+            try:
+                replace(self, **{name: size})._check(world_size, text_config, experts_format)
+            except ValueError:
+                continue
+            return f"{verb} --{name} {sizes[name] if verb == 'drop' else size}"
+        return None
+
+    def _check(self, world_size: int, text_config, experts_format: str) -> int:
         from ..plan.layout import Layout, check_layout
 
         for name, size in asdict(self).items():

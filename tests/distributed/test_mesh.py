@@ -3,6 +3,8 @@ world size), and the data ranks each layout leaves."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kimi_hf.distributed.mesh import TrainingLayout
@@ -49,3 +51,29 @@ def test_refused_layouts_name_the_size(text_config, layout, world, message):
     with pytest.raises(ValueError) as info:
         layout.check(world, text_config)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "layout, world, fix",
+    [
+        (TrainingLayout(pp=2, ep=2), 4, "; add --fsdp 2"),  # a flag left out first
+        (TrainingLayout(ep=2), 2, "; add --fsdp 2"),
+        (TrainingLayout(pp=2, fsdp=2, cp=4), 4, "; use --cp 2"),  # then another size of one given
+        (TrainingLayout(pp=3), 4, "; use --pp 2"),
+        (TrainingLayout(pp=2, tp=2), 8, "; use --pp 4"),
+        (TrainingLayout(fsdp=2), 1, "; drop --fsdp 2"),  # then one dropped
+        (TrainingLayout(tp=2, fsdp=2), 4, "; drop --fsdp 2"),
+    ],
+)
+def test_refused_layouts_name_the_flag_that_fixes_them(text_config, layout, world, fix):
+    with pytest.raises(ValueError) as info:
+        layout.check(world, text_config)
+    assert str(info.value).endswith(fix)
+    flag, size = fix.split()[-2:]
+    replace(layout, **{flag[2:]: 1 if fix.startswith("; drop") else int(size)}).check(world, text_config)  # runs
+
+
+def test_no_fix_is_named_when_one_flag_cannot_make_it_run(text_config):
+    with pytest.raises(ValueError) as info:
+        TrainingLayout(cp=0).check(1, text_config)
+    assert str(info.value) == "--cp must be a positive integer, got 0"

@@ -270,3 +270,66 @@ def test_bad_input_is_one_line(k3_folder, tmp_path, args, message, capsys):
     out = capsys.readouterr()
     assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("k3_finetune: error: "), out.err
     assert message in out.err
+
+
+@pytest.mark.parametrize(
+    "world, args, fix",
+    [
+        (4, ["--lora", "--pp", "2", "--ep", "2"], "add --fsdp 2"),
+        (2, ["--tp", "2"], "add --ep 2"),  # the MXFP4 experts' 96 inputs would split into 48, not 32-blocks
+        (1, ["--fsdp", "2"], "drop --fsdp 2"),
+        (2, ["--micro-batches", "3"], "use --micro-batches 4"),
+        (4, ["--pp", "2", "--fsdp", "2", "--micro-batches", "2"], "use --micro-batches 4 (or --schedule gpipe)"),
+        (1, ["--cp", "2", "--seq-len", "33"], "use --seq-len 34"),
+    ],
+)
+def test_refused_layouts_name_the_flag_that_fixes_them(k3_folder, monkeypatch, capsys, world, args, fix):
+    """Checked on rank 0 of a `world`-rank job before its process group starts (so in this process)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3_finetune", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--model", str(k3_folder), *COMMON, *args])
+    assert exit_info.value.code == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and out.err.startswith("k3_finetune: error: "), out.err
+    assert fix in out.err
+
+
+def test_a_refused_layout_is_printed_once_by_rank_0(k3_folder):
+    """--pp 2 --ep 2 on 4 ranks: one line naming the fix (not one a rank), every rank exiting with status 2."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
+    cmd += [str(SCRIPT), "--model", str(k3_folder), *COMMON, "--lora", "--pp", "2", "--ep", "2"]
+    out = run(cmd)
+    assert out.returncode != 0 and out.stdout == ""
+    errors = [line for line in out.stderr.splitlines() if "k3_finetune: error:" in line]
+    assert len(errors) == 1 and errors[0].startswith("k3_finetune: error: --ep 2") and "add --fsdp 2" in errors[0]
+    assert "exitcode: 2" in out.stderr  # torchrun's report of rank 0's status
+
+
+@pytest.mark.parametrize("problem", ["missing", "another architecture", "truncated"])
+def test_a_bad_model_folder_is_one_line(k3_folder, tmp_path, problem):
+    """The folder check (kimi_hf.model_folder) runs before anything loads: one line naming the problem, status 2."""
+    import shutil
+
+    folder = tmp_path / "model"
+    if problem == "another architecture":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 32}))
+        expected = "model_type 'llama'"
+    elif problem == "truncated":
+        folder.mkdir()
+        shutil.copyfile(k3_folder / "config.json", folder / "config.json")
+        data = (k3_folder / "model-00001-of-00003.safetensors").read_bytes()
+        (folder / "model.safetensors").write_bytes(data[: len(data) - 100])  # an interrupted download
+        expected = f"{folder / 'model.safetensors'}: truncated"
+    else:
+        expected = "--model"
+    out = run([sys.executable, str(SCRIPT), "--model", str(folder), *COMMON], timeout=300)
+    assert out.returncode == 2 and out.stdout == "", out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("k3_finetune: error: "), out.stderr
+    assert expected in out.stderr and str(folder) in out.stderr

@@ -43,7 +43,7 @@ from .cache_kimi_hybrid import KimiHybridCache
 from .configuration_kimi_hybrid import KimiHybridTextConfig
 from .context_kimi_hybrid import ContextParallelism, SequenceShard, check_context_parallel, shard_for_forward
 from .conversion_mapping_kimi_hybrid import register as _register_conversion_mapping
-from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, check_parallel_layout
+from .parallel_kimi_hybrid import ATTN_RES_PP_ERROR, TensorParallelLoraCheck, check_parallel_layout
 from .pipeline_kimi_hybrid import distribute_for_stage, prepare_stage_mesh, prune_to_active_stage
 
 
@@ -212,7 +212,7 @@ class KimiHybridShortConv(KeepFP32Mixin, nn.Conv1d):
         return short_conv(x, self.weight, left, pos_in_doc)
 
 
-class KimiDeltaAttention(KeepFP32Mixin, nn.Module):
+class KimiDeltaAttention(TensorParallelLoraCheck, KeepFP32Mixin, nn.Module):
     """Kimi Delta Attention layer (Kimi Linear, arXiv 2510.26692):
     q = L2Norm(SiLU(Conv(W_q x))), k = L2Norm(SiLU(Conv(W_k x))), v = SiLU(Conv(W_v x))
     g = kda_gate(W_fb W_fa x; A_log, dt_bias),  beta = sigmoid(W_b x)   (the gate: kimi_hf.ops.kda_inputs.kda_gate)
@@ -347,7 +347,7 @@ def eager_attention_forward(
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
 
 
-class KimiHybridMLA(nn.Module):
+class KimiHybridMLA(TensorParallelLoraCheck, nn.Module):
     """Multi-head Latent Attention without positional encoding (Kimi Linear's MLA).
 
     The cache keeps the compressed latent (kv_lora_rank normalised values + the qk_rope_head_dim
@@ -374,6 +374,9 @@ class KimiHybridMLA(nn.Module):
         self.kv_a_proj_with_mqa = nn.Linear(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, bias=config.attention_bias
         )
+        # an identity on kv_a_proj_with_mqa's output (a LoRA adapter's included), where tensor parallelism sums the
+        # rope key's gradient over the ranks' heads (parallel_kimi_hybrid.TP_PLAN); no parameters
+        self.kv_a_output = nn.Identity()
         self.kv_a_layernorm = KimiHybridRMSNorm(self.kv_lora_rank, eps=config.mla_latent_norm_eps)
         self.kv_b_proj = nn.Linear(
             self.kv_lora_rank, self.num_heads * (self.qk_nope_head_dim + self.v_head_dim), bias=False
@@ -467,7 +470,7 @@ class KimiHybridMLA(nn.Module):
     ):
         B, T, _ = hidden_states.shape
         query = self.project_query(hidden_states)
-        latent, k_rope = self.kv_a_proj_with_mqa(hidden_states).split(
+        latent, k_rope = self.kv_a_output(self.kv_a_proj_with_mqa(hidden_states)).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1
         )
         latent = self.kv_a_layernorm(latent).view(B, 1, T, self.kv_lora_rank)
@@ -512,7 +515,7 @@ class KimiHybridMLA(nn.Module):
         return out if self.g_proj is None else out * torch.sigmoid(self.g_proj(x))
 
 
-class KimiHybridMLP(nn.Module):
+class KimiHybridMLP(TensorParallelLoraCheck, nn.Module):
     """Gated FFN: down(GLU(gate(x), up(x))), SwiGLU or SiTU-GLU (`KimiHybridGLU`)."""
 
     def __init__(self, config: KimiHybridTextConfig, intermediate_size: int | None = None):
@@ -717,7 +720,7 @@ class KimiHybridMxfp4Experts(_RoutedExperts):
         return self._combine(x, y, order, token, weights)
 
 
-class KimiHybridMoE(nn.Module):
+class KimiHybridMoE(TensorParallelLoraCheck, nn.Module):
     """Routed experts plus always-on shared experts. With routed_expert_hidden_size (Kimi K3's Stable LatentMoE)
     the router still reads the full hidden x, the routed experts run on z = routed_expert_down_proj(x) and their
     weighted sum r returns through routed_expert_up_proj(RMSNorm(r)) (the norm with latent_moe_use_norm); the
@@ -833,8 +836,9 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         **kwargs: Unpack[TransformersKwargs],
     ):
         """hidden_states [B, T, d] -> [B, T, d]; with Attention Residuals (partial sum, completed
-        blocks [n, B, T, d]) -> the same pair after this layer's two sublayers (both positional, so
-        that gradient checkpointing propagates gradients to both)."""
+        blocks [n, B, T, d]) -> (the partial sum, the completed blocks [n', B, T, d] if a block
+        completed in this layer, else None: the caller keeps its own) after this layer's two
+        sublayers (both inputs positional, so that gradient checkpointing propagates gradients to both)."""
 
         def mix(h):
             h = self.input_layernorm(h)
@@ -854,7 +858,10 @@ class KimiHybridDecoderLayer(GradientCheckpointingLayer):
         out = mix(self.attn_res(blocks, partial if s > 0 else None))
         partial, blocks = push_depth_output(partial, blocks, out, s, self.block_size)
         out = self.mlp(self.post_attention_layernorm(self.mlp_res(blocks, partial)))
-        return push_depth_output(partial, blocks, out, s + 1, self.block_size)
+        partial, blocks = push_depth_output(partial, blocks, out, s + 1, self.block_size)
+        # unchanged blocks are not handed back: under FSDP2 depth_blocks is its autograd view of the input (and
+        # before the first cat, the embedding's [None] view), which would come out of the layer as a view tensor
+        return partial, (None if blocks is depth_blocks else blocks)
 
 
 class KimiHybridPreTrainedModel(RemoteCodeMixin, PreTrainedModel):
@@ -1031,7 +1038,11 @@ class KimiHybridTextModel(KimiHybridPreTrainedModel):
                 context=context,
                 **kwargs,
             )
-            hidden_states, blocks = out if blocks is not None else (out, None)
+            if blocks is None:
+                hidden_states = out
+            else:  # (partial sum, the new blocks or None: no block completed in that layer)
+                hidden_states, new_blocks = out
+                blocks = blocks if new_blocks is None else new_blocks
         return hidden_states, blocks
 
     @merge_with_config_defaults

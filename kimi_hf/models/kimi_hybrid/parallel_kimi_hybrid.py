@@ -1,6 +1,7 @@
 """The parallel plans of the hybrid decoder (Kimi Linear and Kimi K3): tensor, expert and pipeline parallelism as
-transformers reads them from the config (`base_model_tp_plan` / `_ep_plan` / `_pp_plan`), and the check of a
-layout the model cannot run (`check_parallel_layout`). See docs/parallelism.md."""
+transformers reads them from the config (`base_model_tp_plan` / `_ep_plan` / `_pp_plan`), the check of a
+layout the model cannot run (`check_parallel_layout`), and the check of PEFT LoRA layers put into a tensor-parallel
+model (`TensorParallelLoraCheck`). See docs/parallelism.md."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ _KDA_ONLY = (
     "dt_bias",
     "o_norm",
 )
-_MLA_ONLY = ("q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
+_MLA_ONLY = ("q_b_proj", "kv_a_output", "kv_b_proj")
 
 # Tensor parallelism (docs/parallelism.md). KDA and MLA layers are both `self_attn`, so one rule can cover a
 # projection of either kind. Both shard by head: colwise projections keep this rank's heads (rows), the op runs
@@ -46,10 +47,12 @@ TP_PLAN = {
     "layers.*.self_attn.A_log": "colwise",  # bare 1-D parameters: Shard(0), read locally (local_params below)
     "layers.*.self_attn.dt_bias": "colwise",
     "layers.*.self_attn.o_norm": "replicated_with_grad_allreduce",  # one weight for all heads: partial grads
-    # MLA: per-head queries and key/value expansion; the latent projection stays replicated (mla_kv_a_proj
-    # sums the gradient of the rope key, which every head reads)
+    # MLA: per-head queries and key/value expansion; the latent projection stays replicated. mla_kv_a_proj sums
+    # the gradient of the rope key, which every head reads, on kv_a_output (an identity on the projection's
+    # output): there it also sums what a LoRA adapter of kv_a_proj_with_mqa adds (PEFT adds it after the
+    # projection's own forward, so a rule on the projection would leave the adapter's rope gradient partial)
     "layers.*.self_attn.q_b_proj": "colwise",
-    "layers.*.self_attn.kv_a_proj_with_mqa": "mla_kv_a_proj",
+    "layers.*.self_attn.kv_a_output": "mla_kv_a_proj",
     "layers.*.self_attn.kv_b_proj": "colwise",
     # Kimi K3's output gates, per head channel: KDA's full-rank g_proj [H K, hidden], MLA's g_proj [H v, hidden]
     "layers.*.self_attn.g_proj": "colwise",
@@ -182,12 +185,81 @@ def check_parallel_layout(text_config, tp_plan: dict[str, str], distributed_conf
             )
 
 
+# PEFT LoRA under tensor parallelism. PEFT (>= 0.21 with transformers' DTensor TP) reads each target's rule from
+# model.tp_plan (it records it as `_hf_tp_plan` on the base layer) and shards the adapter to follow "colwise" (B by
+# output rows) and "rowwise" (A by input columns) layers; any other style gets plain adapters beside a sharded or
+# hooked base, which compute or train something else. Our plan keeps LoRA targets to colwise, rowwise and
+# replicated (kv_a_output above), and the modules holding them check each LoRA layer as PEFT puts it in place.
+LORA_TP_STYLES = ("colwise", "rowwise")
+
+
+def _tp_sharded(weight) -> bool:
+    """weight is a DTensor on a mesh with a "tp" dimension of more than one rank (FSDP2's meshes: "fsdp" or
+    unnamed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:
+        return False
+    if not isinstance(weight, DTensor):
+        return False
+    names = weight.device_mesh.mesh_dim_names or ()
+    return "tp" in names and weight.device_mesh.size(names.index("tp")) > 1
+
+
+def check_lora_layer(parent, name: str, layer) -> None:
+    """Checks (and for "rowwise", completes) a PEFT LoRA layer that replaces parent.<name> in a tensor-parallel
+    model: PEFT's `_replace_module` is a setattr on the parent, after the layer's adapters exist and before PEFT
+    shards them, which is when this runs (`TensorParallelLoraCheck`). Raises ValueError for a base layer whose TP
+    style PEFT's adapters do not follow. Without tensor parallelism (no style recorded, no TP-sharded weight) it
+    returns at once.
+
+    "rowwise": PEFT builds A as nn.Linear(local input width, r) and shards its weight as the base's (Shard(1) of
+    the full [r, in]), but transformers' rowwise style reads the input's full width from the module's
+    `in_features`: A's must be the base's, else the first forward with gradients fails on a shape."""
+    base = layer.get_base_layer()
+    style = getattr(base, "_hf_tp_plan", None)
+    if style is None and not _tp_sharded(getattr(base, "weight", None)):
+        return  # replicated (or no tensor parallelism): plain adapters are right
+    if style == "colwise":
+        return
+    if style == "rowwise":
+        for lora_a in layer.lora_A.values():
+            lora_a.in_features = base.in_features
+        return
+    layer_idx = getattr(parent, "layer_idx", None)
+    where = f"{type(parent).__name__}.{name}" + (f" (layer {layer_idx})" if layer_idx is not None else "")
+    raise ValueError(
+        f"PEFT LoRA on {where} under tensor parallelism: its TP style is {style or 'unknown to PEFT'!r}, and PEFT "
+        f"fits adapters to {' / '.join(map(repr, LORA_TP_STYLES))} layers only (this one would get a plain adapter "
+        f"that the layer's sharding and TP hooks miss: wrong outputs or gradients). Leave {name!r} out of "
+        "target_modules (kimi_hf.lora_target_modules(config) lists targets that work under the default TP plan), "
+        "give it a colwise / rowwise rule or none (DistributedConfig(tp_plan=...)), or shard the model without "
+        "TP: FSDP (DistributedConfig(fsdp_size=N)) or expert parallelism alone "
+        "(DistributedConfig(tp_size=N, ep_size=N, tp_plan={}))"
+    )
+
+
+class TensorParallelLoraCheck:
+    """Mixin of the modules whose children are LoRA targets (the mixers, the MLPs, the MoE): runs
+    `check_lora_layer` when PEFT (get_peft_model, PeftModel.from_pretrained, model.add_adapter) puts a LoRA layer in
+    place of a child, so that a target PEFT cannot shard is refused then, naming it, rather than training wrong.
+    A setattr hook, not a forward hook: it costs nothing in the forward, and runs at the earliest point there is."""
+
+    def __setattr__(self, name, value):
+        if hasattr(value, "base_layer") and hasattr(value, "lora_A"):  # a PEFT LoRA layer (peft.tuners.lora)
+            check_lora_layer(self, name, value)
+        super().__setattr__(name, value)
+
+
 __all__ = [
     "ATTN_RES_PP_ERROR",
     "ATTN_RES_PP_PLAN",
     "EP_PLAN",
+    "LORA_TP_STYLES",
     "PP_PLAN",
     "TP_PLAN",
+    "TensorParallelLoraCheck",
+    "check_lora_layer",
     "check_parallel_layout",
     "pp_plan_for",
     "tp_plan_for",

@@ -206,7 +206,7 @@ def prepare(model, args, config):
     if args.lora:
         model = with_lora(model, args, config)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     return model.train()
 
 

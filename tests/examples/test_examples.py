@@ -427,17 +427,11 @@ SCRIPTS = sorted(
     for folder in (EXAMPLES, EXAMPLES.parent / "benchmarks")
     for path in folder.glob("*.py")
 )
-NOT_MINE = {  # scripts this change does not own: one line each to change, then drop them here
-    "examples/k3_finetune.py": "calls gradient_checkpointing_enable (use activation_checkpointing_enable)",
-}
 
 
 @pytest.mark.parametrize(
     "script",
-    [
-        pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=NOT_MINE[s])) if s in NOT_MINE else s
-        for s in SCRIPTS
-    ],
+    SCRIPTS,
 )
 def test_scripts_call_no_deprecated_transformers_api(script):
     """transformers 5.25 deprecates gradient_checkpointing_enable / _disable and is_gradient_checkpointing (removed in

@@ -123,7 +123,8 @@ def test_lora_export_is_the_merged_model(k3_folder, lora_run, tmp_path):
     expected = logits(peft.eval())
     exported = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
     assert exported.experts_format == "mxfp4"
-    torch.testing.assert_close(logits(exported), expected, atol=2e-5, rtol=1e-5)
+    # fp32 rounding of (W + BA) x against W x + B (A x) through the layers: 2.3e-5 measured (transformers 5.25)
+    torch.testing.assert_close(logits(exported), expected, atol=5e-5, rtol=1e-5)
     # everything the adapters do not touch is the released folder's, bit for bit (the MXFP4 bytes included)
     src, dst = tensors(k3_folder), tensors(out)
     assert src.keys() == dst.keys()

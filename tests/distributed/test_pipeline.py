@@ -39,7 +39,17 @@ def _check(case, out_dir: Path, atol: float = 1e-5) -> None:
     for name, g in ref["grads"].items():
         torch.testing.assert_close(merged["grads"][name], g, atol=atol, rtol=1e-4, msg=f"{case.name}: grad {name}")
     for name, w in ref["weights"].items():
-        torch.testing.assert_close(merged["weights"][name], w, atol=atol, rtol=1e-4, msg=f"{case.name}: {name}")
+        if case.optimizer != "adamw":
+            torch.testing.assert_close(merged["weights"][name], w, atol=atol, rtol=1e-4, msg=f"{case.name}: {name}")
+            continue
+        # Adam divides by the gradient's own size: an element whose gradient is rounding noise (1e-8 here, the step-1
+        # gradients above agree to that) moves by up to lr = 1e-3 a step either way, in any correct layout. Every
+        # other element must agree; a real fault (a missing reduction, a wrong divisor) moves most of them.
+        diff = (merged["weights"][name] - w).abs()
+        off = diff > atol + 1e-4 * w.abs()
+        assert off.float().mean().item() <= 1e-3 and diff.max().item() <= 2 * 1e-3, (
+            f"{case.name}: {name}: {int(off.sum())} of {w.numel()} elements off, max {diff.max().item():.2e}"
+        )
     if ref["clipped"] is not None:  # QK-Clip ran on the stage holding the MLA layers, as in one process
         assert ref["clipped"] > 0
         assert sum(p["clipped"] for p in parts) == ref["clipped"], case.name

@@ -668,7 +668,7 @@ MXFP4_TRAINING_ERROR = (
     "the routed experts are kept as their MXFP4 bytes (experts_format='mxfp4'), which cannot be trained, but this "
     "MoE layer is being trained in full (its router requires grad), so its experts would silently stay as they are: "
     "load the model with from_pretrained(..., experts_format='dense') to train the experts, train adapters instead "
-    "(PEFT LoRA, e.g. target_modules=K3_LORA_TARGET_MODULES, freezes the rest), or freeze the MoE layers' own "
+    "(PEFT LoRA, e.g. target_modules=kimi_hf.lora_target_modules(config), freezes the rest), or freeze the MoE layers' own "
     "weights (requires_grad_(False))"
 )
 

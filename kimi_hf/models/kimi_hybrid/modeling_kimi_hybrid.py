@@ -33,6 +33,7 @@ from transformers.utils import TransformersKwargs, can_return_tuple
 from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
+from ...mx_block import MX_BLOCK
 from ...ops.depth_attention import depth_attention, depth_attention_weights, push_depth_output
 from ...ops.kda import chunk_kda, recurrent_kda
 from ...ops.kda_context import chunk_kda_context_parallel
@@ -686,17 +687,17 @@ class KimiHybridMxfp4Experts(_RoutedExperts):
     def __init__(self, config: KimiHybridTextConfig):
         super().__init__(config)
         E, H, inter = self.num_experts, self.hidden, self.intermediate
-        if H % 32 or inter % 32:
+        if H % MX_BLOCK or inter % MX_BLOCK:
             raise ValueError(
                 f"experts_format='mxfp4': the experts' widths ({H}, moe_intermediate_size {inter}) must be multiples "
-                "of 32, the MXFP4 block"
+                f"of {MX_BLOCK}, the MXFP4 block"
             )
 
         def frozen(*shape):
             return nn.Parameter(torch.zeros(*shape, dtype=torch.uint8), requires_grad=False)
 
-        self.gate_up_proj, self.gate_up_proj_scale = frozen(E, 2 * inter, H // 2), frozen(E, 2 * inter, H // 32)
-        self.down_proj, self.down_proj_scale = frozen(E, H, inter // 2), frozen(E, H, inter // 32)
+        self.gate_up_proj, self.gate_up_proj_scale = frozen(E, 2 * inter, H // 2), frozen(E, 2 * inter, H // MX_BLOCK)
+        self.down_proj, self.down_proj_scale = frozen(E, H, inter // 2), frozen(E, H, inter // MX_BLOCK)
 
     def dequantized(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """gate_up_proj / down_proj as the dense experts hold it, [E, out, in] of dtype (exact; all experts at once:

@@ -20,6 +20,7 @@ import re
 import torch
 from transformers.utils import logging
 
+from ...mx_block import MX_BLOCK
 from ...ops.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from ..kimi_hybrid.conversion_mapping_kimi_hybrid import EXPERT_WEIGHTS, MOE_BLOCK, MOONVIT_NAMES, rename_pairs
 from ..kimi_hybrid.modeling_kimi_hybrid_multimodal import _is_dtensor
@@ -320,7 +321,7 @@ def check_mxfp4_headers(folder: str, text_config) -> None:
                     continue
                 layer, e, w, part = m.groups()
                 out, n_in = logical[w]
-                want = (out, n_in // 2) if part == "weight_packed" else (out, n_in // 32)
+                want = (out, n_in // 2) if part == "weight_packed" else (out, n_in // MX_BLOCK)
                 view = f.get_slice(key)
                 shape, dtype = tuple(view.get_shape()), view.get_dtype()
                 where = f"{key} ({os.path.basename(path)})"

@@ -19,6 +19,8 @@ Importing this module needs transformers' serving extra (fastapi, uvicorn): kimi
 
 from __future__ import annotations
 
+import sys
+
 import transformers
 import transformers.cli.serving.model_manager as _model_manager
 import transformers.cli.serving.utils as _serving_utils
@@ -36,8 +38,13 @@ def expose_model_classes() -> dict[type, bool]:
     from .served_models import served_model_classes
 
     classes = served_model_classes()
-    for cls in classes:
-        setattr(transformers, cls.__name__, cls)
+    # the loader's own `transformers` too: in a model process spawned from `python -c`, the transformers module
+    # the loader module imported is no longer sys.modules' one by the time the model loads (seen with 5.25)
+    for module in {
+        id(m): m for m in (transformers, sys.modules.get("transformers"), _model_manager.transformers)
+    }.values():
+        for cls in classes:
+            setattr(module, cls.__name__, cls)
     return classes
 
 

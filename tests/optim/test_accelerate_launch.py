@@ -38,7 +38,11 @@ ARCHS = ("hybrid", "k3", "k3-images")
 # amplifies that (tests/optim/test_distributed.py): observed 1.3e-6 for the hybrid model (a router weight), 1.2e-5
 # for K3 (its embedding) after 3 steps, DDP and FSDP2 alike. "k3-images" averages the two ranks' losses in one
 # process too, and matched bit for bit.
-ATOL = {"hybrid": 5e-6, "k3": 5e-5, "k3-images": 5e-5}
+# K3: its embeddings (token and patch) feed depth block 0 of Attention Residuals, whose gradient sums every later
+# layer's share in an order that differs between FSDP2 and one process (each later layer reaches the blocks directly,
+# not through every layer's FSDP2 input view), then AdamW / Newton-Schulz amplify rounding: 8.9e-5 and 9.5e-5 measured
+# on the token and patch embeddings, every other parameter within 2e-5
+ATOL = {"hybrid": 5e-6, "k3": 1.5e-4, "k3-images": 1.5e-4}
 LAUNCH_ENV = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

@@ -351,6 +351,13 @@ class KimiHybridTextCommonTest(
         self.model_tester = self.model_tester_class(self)
         self.config_tester = ConfigTester(self, config_class=KimiHybridTextConfig)
 
+    # transformers' EP tests (two gloo processes each, 6-10 s on 2 cores) of the decoder's MoE run in full on Kimi K3's
+    # classes, whose layers are these (tests/models/kimi_k3/test_common_suite_k3.py); here the untied forward variants
+    # and the eager backward, for Kimi Linear's MoE without K3's latent projections (the suite's time: issue 37)
+    _ON_K3 = unittest.skip("runs on KimiK3TextCommonTest (the same decoder layers)")(lambda self: None)
+    test_ep_forward_3 = test_ep_forward_4 = test_ep_forward_5 = _ON_K3
+    test_ep_backward_1_grouped_mm = test_ep_backward_2_batched_mm = _ON_K3
+
     def test_model(self):
         self.model_tester.create_and_check_model(*self.model_tester.prepare_config_and_inputs())
 

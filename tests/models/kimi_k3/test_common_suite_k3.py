@@ -126,6 +126,10 @@ class KimiK3TextCommonTest(
         self.model_tester = self.model_tester_class(self)
         self.config_tester = ConfigTester(self, config_class=KimiK3TextConfig, **TEXT_CONFIG_FIELDS)
 
+    # the untied EP forward variants (K3 as released) run on the multimodal class below, the tied ones here
+    _UNTIED = unittest.skip("untied embeddings: KimiK3MultimodalCommonTest runs this variant")(lambda self: None)
+    test_ep_forward_0 = test_ep_forward_1 = test_ep_forward_2 = _UNTIED
+
 
 class KimiK3VLMTester(KimiHybridVLMTester):
     """transformers' VLMModelTester contract for KimiK3ForConditionalGeneration: the hybrid VLM tester's inputs (flat
@@ -174,3 +178,8 @@ class KimiK3MultimodalCommonTest(
     # (0-2: K3 as released) here. Each is two gloo processes, ~15 s on 2 cores.
     _TIED = unittest.skip("tied embeddings: KimiK3TextCommonTest runs this variant")(lambda self: None)
     test_ep_forward_3 = test_ep_forward_4 = test_ep_forward_5 = _TIED
+    # the backward's three experts implementations run on the text class: the vision tower adds no experts
+    _BACKWARD = unittest.skip("KimiK3TextCommonTest runs it (the same decoder; the tower has no experts)")(
+        lambda self: None
+    )
+    test_ep_backward_0_eager = test_ep_backward_1_grouped_mm = test_ep_backward_2_batched_mm = _BACKWARD

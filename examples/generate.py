@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import kimi_hf  # noqa: F401  (registers the Auto classes; without it pass trust_remote_code=True)
 from kimi_hf.chat import K3ReplyStreamer, has_k3_markup, reply_text
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_positive
 from kimi_hf.model_folder import check_model_folder
 from kimi_hf.serving import served_model_types
 
@@ -31,8 +31,7 @@ DEFAULT_MODEL = "outputs/quickstart/model"
 def check_args(args) -> bool:
     """Bad input, found before anything loads (ValueError / OSError naming the argument). Returns whether --model
     is an image-text model."""
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be a positive integer, got {args.max_new_tokens}")
+    check_positive(args, "max_new_tokens")
     if args.model == DEFAULT_MODEL and not os.path.exists(args.model):
         raise FileNotFoundError(
             f"--model {args.model!r} does not exist: run `kimi-hf quickstart` first or pass --model"

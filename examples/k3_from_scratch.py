@@ -14,7 +14,6 @@ train them). Writes <out>/k3_loss.png (kimi_hf.plotting: Pillow only) and <out>/
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 import torch
@@ -23,7 +22,7 @@ from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 import kimi_hf  # noqa: F401  (registers the Auto classes)
 from kimi_hf import KimiK3ForConditionalGeneration
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_output_folder, check_positive
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip, MuonClipCallback
 from kimi_hf.plotting import LossHistory, save_loss_plot
@@ -45,13 +44,9 @@ class Windows(Dataset):
 
 def check_args(args) -> None:
     """Bad input, found before any work (ValueError / OSError naming the argument)."""
-    for name in ("steps", "batch", "seq", "hidden"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    check_positive(args, "steps", "batch", "seq", "hidden")
+    check_positive(args, "lr", number="number")
+    check_output_folder(args.out)
 
 
 def main(argv=None):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
-import math
 import os
 import random
 import sys
@@ -42,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoModelForImageTextToText, Auto
 
 import kimi_hf
 from kimi_hf.chat import generate_replies
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_output_folder, check_positive
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.model_folder import check_model_folder
 from kimi_hf.presets import small_multimodal_model
@@ -75,13 +74,9 @@ def examples(seed: int) -> list[dict]:
 
 def check_args(args) -> str | None:
     """Bad input, found before any work (ValueError / OSError naming the argument). Returns --model's model_type."""
-    for name in ("steps", "rank"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name} must be a positive integer, got {getattr(args, name)}")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    check_positive(args, "steps", "rank")
+    check_positive(args, "lr", number="number")
+    check_output_folder(args.out)
     if args.model is None:
         return None
     model_type = check_model_folder(args.model, what="--model", model_types=MODEL_TYPES)["model_type"]

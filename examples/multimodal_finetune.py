@@ -14,7 +14,6 @@ The accuracy depends on --seed (data, initialisation, batch order), and on the m
 from __future__ import annotations
 
 import argparse
-import math
 import os
 
 import torch
@@ -22,7 +21,7 @@ from transformers import Trainer, TrainingArguments
 
 from kimi_hf import KimiHybridConfig, KimiHybridForConditionalGeneration, KimiHybridImageProcessor, KimiHybridProcessor
 from kimi_hf.chat import IMAGE_TOKEN, chat_stop_token_ids
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_output_folder, check_positive
 from kimi_hf.collators import KimiHybridVisionCollator
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types
 from kimi_hf.optim import MuonClip, MuonClipCallback
@@ -71,15 +70,11 @@ def build(tokenizer, hidden: int, vision_hidden: int, image_size: int) -> KimiHy
 
 def check_args(args) -> None:
     """Bad input, found before any work (ValueError / OSError naming the argument)."""
-    for name in ("train", "eval", "steps", "batch", "hidden", "vision_hidden", "image_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    check_positive(args, "train", "eval", "steps", "batch", "hidden", "vision_hidden", "image_size")
     if args.batch > args.train:  # the Trainer drops the last partial batch: no batch at all
         raise ValueError(f"--batch ({args.batch}) must not exceed --train ({args.train})")
-    if not (math.isfinite(args.lr) and args.lr > 0):
-        raise ValueError(f"--lr must be a positive number, got {args.lr}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    check_positive(args, "lr", number="number")
+    check_output_folder(args.out)
 
 
 def main(argv=None) -> float:

@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 
 from kimi_hf import KimiHybridForCausalLM, KimiHybridTextConfig
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_output_folder, check_positive
 from kimi_hf.data import BOS_ID, EOS_ID, PAD_ID, ByteCorpus
 from kimi_hf.optim import MuonClip
 
@@ -51,14 +51,9 @@ def small_config(hidden: int = 64, layers: int = 4) -> KimiHybridTextConfig:
 
 def check_args(args) -> None:
     """Bad input, found before any work (ValueError / OSError naming the argument)."""
-    for name in ("steps", "batch", "seq", "hidden", "corpus_bytes"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
-    for name in ("lr", "qk_clip_tau"):
-        if not (math.isfinite(getattr(args, name)) and getattr(args, name) > 0):
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    if args.out and os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    check_positive(args, "steps", "batch", "seq", "hidden", "corpus_bytes")
+    check_positive(args, "lr", "qk_clip_tau", number="number")
+    check_output_folder(args.out)
 
 
 def main(argv=None):

@@ -30,7 +30,7 @@ import urllib.error
 import urllib.request
 import warnings
 
-from kimi_hf.cli_args import ArgumentParser
+from kimi_hf.cli_args import ArgumentParser, check_output_folder, check_positive
 from kimi_hf.model_folder import check_model_folder
 from kimi_hf.serving import served_model_types
 from kimi_hf.swarm import (
@@ -184,13 +184,10 @@ def check_args(args) -> None:
     """Bad input, found before any run (ValueError / OSError naming the argument)."""
     if not 1 <= args.modules <= len(MODULES):
         raise ValueError(f"--modules must be in 1..{len(MODULES)}, got {args.modules}")
-    for name in ("per_agent", "max_steps", "concurrency", "max_new_tokens"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    check_positive(args, "per_agent", "max_steps", "concurrency", "max_new_tokens")
     if not args.step_latency >= 0:  # NaN too
         raise ValueError(f"--step-latency must be >= 0, got {args.step_latency}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise NotADirectoryError(f"--out {args.out!r} is a file, not a folder")
+    check_output_folder(args.out)
     if args.backend == "scripted":
         return
     if not args.model:

@@ -5,6 +5,8 @@ share. A leaf: it imports neither command line, so each can import it without im
 from __future__ import annotations
 
 import argparse
+import math
+import os
 
 from .sizes import parse_size
 
@@ -36,4 +38,19 @@ def layer_count(text: str) -> int:
     return n
 
 
-__all__ = ["ArgumentParser", "layer_count", "size"]
+def check_positive(args, *names: str, number: str = "integer") -> None:
+    """ValueError `--NAME must be a positive <number>, got V` for the first of `args.<name>` (argparse's names, `_`
+    for `-`) that is not a finite number above 0: the scripts' checks of their counts and rates before any work."""
+    for name in names:
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive {number}, got {value}")
+
+
+def check_output_folder(path: str | None, flag: str = "--out") -> None:
+    """NotADirectoryError when an output folder to be made is an existing file (None: no output asked for)."""
+    if path and os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"{flag} {path!r} is a file, not a folder")
+
+
+__all__ = ["ArgumentParser", "check_output_folder", "check_positive", "layer_count", "size"]

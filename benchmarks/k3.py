@@ -98,8 +98,8 @@ def load_report(model: KimiK3ForConditionalGeneration, shard: str) -> dict:
     """Saves `model` in the released layout (MXFP4 experts) and loads it in a fresh process (after a warm-up load
     of a tiny K3 folder)."""
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as tiny:
-        model.save_pretrained(folder, experts_format="mxfp4", max_shard_size=shard)
-        KimiK3ForConditionalGeneration(k3_config(64, 4)).save_pretrained(tiny, experts_format="mxfp4")
+        model.save_pretrained(folder, saved_experts="mxfp4", max_shard_size=shard)
+        KimiK3ForConditionalGeneration(k3_config(64, 4)).save_pretrained(tiny, saved_experts="mxfp4")
         files = [f for f in os.listdir(folder) if f.endswith(".safetensors")]
         largest = max(os.path.getsize(os.path.join(folder, f)) for f in files) / 2**20
         on_disk = sum(os.path.getsize(os.path.join(folder, f)) for f in files) / 2**20

@@ -132,21 +132,14 @@ def check_files(args):
 
 def check_layout(args, config, world: int):
     """The layout of the flags on `world` ranks, refused with the flag that makes it run (`TrainingLayout.check`),
-    the sequence over --cp, the batch over the data ranks, LoRA with --tp. Returns the TrainingLayout."""
+    the sequence over --cp, the batch over the data ranks. Returns the TrainingLayout."""
     from kimi_hf.distributed.mesh import TrainingLayout
-    from kimi_hf.models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
 
     text = config.get_text_config()
     layout = TrainingLayout(tp=args.tp, ep=args.ep, pp=args.pp, fsdp=args.fsdp, cp=args.cp)
     check_context_split(args, text)
-    # MXFP4 experts are cut before they are decoded (also when --full loads them dense)
-    layout.check(world, text, "mxfp4" if experts_are_mxfp4(text) else "dense")
+    layout.check(world, text)
     check_batch(args, layout, world)
-    if args.lora and args.tp > 1:
-        raise ValueError(
-            f"--lora with --tp {args.tp}: PEFT's adapters do not follow a tensor-parallel layer's shards; use "
-            "--ep / --fsdp / --pp for LoRA, or add --full"
-        )
     return layout
 
 
@@ -411,6 +404,8 @@ class Job:
         self.tp_rank = manager.get_mesh("tp").get_local_rank() if args.tp > 1 else 0
         self.replica_group = None  # QK-Clip / expert balancing over the world: every rank holds every layer
         self.sync_adapters = args.lora and self.dp > 1
+        # the adapters' gradients are averaged over the data ranks: under --tp, the ranks of this rank's tp coordinate
+        self.adapter_group = rep.get_group() if args.tp > 1 and self.dp > 1 else None
         self.loss_fn = CausalLMLoss(config.get_text_config().vocab_size, grad_divide=self.dp)
         self.mesh = None
 
@@ -460,8 +455,8 @@ class Job:
             loss = self.loss_fn(logits, labels, shifted)
             loss.backward()
             total += loss.detach() / self.dp
-        if self.sync_adapters:  # PEFT's adapters, added after transformers sharded the model, are plain tensors
-            average_unsharded_grads(self.model)
+        if self.sync_adapters:  # PEFT's adapters, added after transformers sharded the model: no engine reduces them
+            average_unsharded_grads(self.model, self.adapter_group)
         return total / self.args.tp  # the tp ranks of a data rank computed the same loss
 
 

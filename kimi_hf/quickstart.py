@@ -333,7 +333,7 @@ def plot_loss(out: str, history, size: str, steps: int) -> str | None:
 
 def round_experts_to_mxfp4(model) -> float:
     """Rounds the routed experts' stacked weights (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I])
-    in place to the nearest MXFP4 value, as `save_pretrained(experts_format="mxfp4")` writes them; returns the
+    in place to the nearest MXFP4 value, as `save_pretrained(saved_experts="mxfp4")` writes them; returns the
     largest absolute change."""
     import torch
 
@@ -365,7 +365,7 @@ def save_and_reload(model, processor, out: str, device: str, probe_example: dict
         from .models.kimi_k3.chat_template_kimi_k3 import DEFAULT_THINKING_EFFORT, k3_chat_template
 
         print(f"      experts rounded to MXFP4: largest change {round_experts_to_mxfp4(model):.2e}")
-        model.save_pretrained(model_dir, experts_format="mxfp4")
+        model.save_pretrained(model_dir, saved_experts="mxfp4")
         # the saved template prompts as training did (no thinking-effort preamble): serve, generate and pipelines
         # use its defaults
         template = k3_chat_template(chat_kwargs.get("thinking_effort", DEFAULT_THINKING_EFFORT))

@@ -36,16 +36,16 @@ class TrainingLayout:
     fsdp: int = 1
     cp: int = 1
 
-    def check(self, world_size: int, text_config, experts_format: str = "dense") -> int:
+    def check(self, world_size: int, text_config) -> int:
         """Raises ValueError for a layout that cannot run the model on `world_size` ranks or that this package does
         not run yet, naming the size and, where one flag makes it run, that flag (`fix`); returns dp_replicate."""
         try:
-            return self._check(world_size, text_config, experts_format)
+            return self._check(world_size, text_config)
         except ValueError as e:
-            fix = self.fix(world_size, text_config, experts_format)
+            fix = self.fix(world_size, text_config)
             raise ValueError(f"{e}; {fix}" if fix else str(e)) from None
 
-    def fix(self, world_size: int, text_config, experts_format: str = "dense") -> str | None:
+    def fix(self, world_size: int, text_config) -> str | None:
         """The one flag that makes this refused layout run on `world_size` ranks, in this order of preference:
         "add --fsdp 2" (a size left at 1, tried in the order fsdp, ep, cp, tp, pp, from the smallest size up), "use
         --tp 4" (another size of one that was set, the nearest first), "drop --ep 3"; None when no single flag does
@@ -66,13 +66,13 @@ class TrainingLayout:
         tries += [("drop", n, 1) for n in order if sizes[n] > 1]
         for verb, name, size in tries:
             try:
-                replace(self, **{name: size})._check(world_size, text_config, experts_format)
+                replace(self, **{name: size})._check(world_size, text_config)
             except ValueError:
                 continue
             return f"{verb} --{name} {sizes[name] if verb == 'drop' else size}"
         return None
 
-    def _check(self, world_size: int, text_config, experts_format: str) -> int:
+    def _check(self, world_size: int, text_config) -> int:
         from ..plan.layout import Layout, check_layout
 
         for name, size in asdict(self).items():
@@ -86,7 +86,7 @@ class TrainingLayout:
             )
         layout = Layout(tp=self.tp, ep=self.ep, pp=self.pp, fsdp=self.fsdp)
         try:
-            replicate = check_layout(layout, world_size, text_config, experts_format)
+            replicate = check_layout(layout, world_size, text_config)
         except ValueError as e:  # the planner says --gpus; a launched job has a world size
             raise ValueError(str(e).replace("--gpus", "the world size")) from None
         if self.pp > 1 and self.tp > 1 and world_size != self.pp * self.tp:

@@ -146,8 +146,8 @@ def main(argv=None, prog: str = "kimi-hf plan"):
     config = load_config(a.model)
     layout = Layout(tp=a.tp, ep=a.ep, pp=a.pp, fsdp=a.fsdp)
     if not a.suggest:
-        fmt = resolve_experts_format(config, a.task, a.experts_format)
-        check_layout(layout, layout.replica if a.gpus is None else a.gpus, config.get_text_config(), fmt)
+        resolve_experts_format(config, a.task, a.experts_format)  # a bad --experts-format fails here too
+        check_layout(layout, layout.replica if a.gpus is None else a.gpus, config.get_text_config())
     planner = Planner(
         config,
         task=a.task,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..models.kimi_k3.configuration_kimi_k3 import experts_are_mxfp4
 from ..mx_block import MX_BLOCK
 
 
@@ -27,9 +28,11 @@ class Layout:
         return asdict(self)
 
 
-def check_layout(layout: Layout, gpus: int, text_config, experts_format: str = "dense") -> int:
+def check_layout(layout: Layout, gpus: int, text_config) -> int:
     """Raises ValueError naming the flag for a layout that cannot run the model on `gpus` devices; returns
-    dp_replicate (the replicas of a tp x pp x fsdp model)."""
+    dp_replicate (the replicas of a tp x pp x fsdp model). Routed experts stored in MXFP4 (the config's
+    quantization_config) are cut by tp before they are decoded, so whole MX blocks a rank, whether the model then
+    holds them resident or dense."""
     if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
         raise ValueError(f"--gpus must be a positive integer, got {gpus!r}")
     for name, size in layout.as_dict().items():
@@ -62,7 +65,7 @@ def check_layout(layout: Layout, gpus: int, text_config, experts_format: str = "
         inter = text_config.moe_intermediate_size
         if ep == 1 and inter % tp:
             raise ValueError(f"--tp {tp} does not divide moe_intermediate_size ({inter})")
-        if ep == 1 and experts_format == "mxfp4" and (inter // tp) % MX_BLOCK:
+        if ep == 1 and experts_are_mxfp4(text_config) and (inter // tp) % MX_BLOCK:
             raise ValueError(
                 f"--tp {tp} splits the MXFP4 experts' moe_intermediate_size ({inter}) into {inter // tp} inputs a rank, "
                 f"not whole {MX_BLOCK}-value blocks: use --ep, or a smaller --tp"

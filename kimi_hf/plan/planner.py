@@ -414,7 +414,7 @@ class Planner:
         memory = parse_size(gpu_memory, "--gpu-memory")
         if not 0 <= headroom < 1:
             raise ValueError(f"--headroom must be a fraction in [0, 1), got {headroom!r}")
-        dp = check_layout(layout, gpus, self.text, self.experts_format)
+        dp = check_layout(layout, gpus, self.text)
         layers, pp = self.text.num_hidden_layers, layout.pp
         stages = [dict.fromkeys(("weights", "adapters", "gradients", "optimizer"), 0) for _ in range(pp)]
         gathered = [[0] * layers for _ in range(pp)]

@@ -77,3 +77,21 @@ def test_no_fix_is_named_when_one_flag_cannot_make_it_run(text_config):
     with pytest.raises(ValueError) as info:
         TrainingLayout(cp=0).check(1, text_config)
     assert str(info.value) == "--cp must be a positive integer, got 0"
+
+
+def test_tp_keeps_whole_mx_blocks_of_experts_stored_in_mxfp4(text_config):
+    """The rule reads the stored form (the config's quantization_config), whatever the model then holds in memory:
+    the loader cuts MXFP4 experts by tp before it decodes them."""
+    import copy
+
+    from kimi_hf.models.kimi_k3.configuration_kimi_k3 import K3_MXFP4_QUANTIZATION_CONFIG
+
+    dense = copy.deepcopy(text_config)
+    dense.moe_intermediate_size = 96  # 3 blocks of 32: 48 inputs a rank at tp 2
+    TrainingLayout(tp=2, ep=2).check(2, dense)  # experts whole per rank (ep): fine
+    TrainingLayout(tp=2).check(2, dense)  # stored dense: any cut
+    stored = copy.deepcopy(dense)
+    stored.experts_quantization_config = dict(K3_MXFP4_QUANTIZATION_CONFIG)
+    with pytest.raises(ValueError, match=r"--tp 2 splits the MXFP4 experts' moe_intermediate_size \(96\)"):
+        TrainingLayout(tp=2).check(2, stored)
+    TrainingLayout(tp=2, ep=2).check(2, stored)

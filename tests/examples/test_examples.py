@@ -246,7 +246,7 @@ def test_lora_finetune_kimi_k3(tmp_path):
     tokenizer = train_tokenizer(corpus, vocab_size=400, markup="k3")
     torch.manual_seed(0)
     # the released layout: MXFP4 experts (the random init rounded to MXFP4), loaded resident by the example
-    small_k3_model(tokenizer, "tiny", 84).save_pretrained(tmp_path / "k3", experts_format="mxfp4")
+    small_k3_model(tokenizer, "tiny", 84).save_pretrained(tmp_path / "k3", saved_experts="mxfp4")
     kimi_hf.KimiK3Processor(kimi_hf.KimiK3ImageProcessor(), tokenizer).save_pretrained(tmp_path / "k3")
     res = example.main(["--model", str(tmp_path / "k3"), "--steps", "10", "--out", str(tmp_path / "lora")])
     assert res["experts_format"] == "mxfp4"

@@ -115,6 +115,13 @@ def test_pp2_x_tp2_x_ep2_matches_tp2_x_ep2(k3_folder, reference):
     assert pipelined[0] == pytest.approx(reference["full"][0], rel=1e-6)
 
 
+def test_lora_under_tp2_x_ep2_with_two_replicas_matches_one_process(k3_folder, reference):
+    """LoRA on TP 2 x EP 2 with 2 replicas (4 ranks): PEFT's tensor-parallel adapters (DTensors over "tp") are drawn
+    slice by slice from one process's values and their gradients averaged over the replicas of each tp coordinate
+    (without that average step 1 differs by 5e-5 and step 2 by 1e-3 relative)."""
+    assert_same(reference["lora"], torchrun(k3_folder, 4, "--lora", "--tp", "2", "--ep", "2"))
+
+
 @pytest.mark.parametrize(
     "mode, nproc, layout",
     [

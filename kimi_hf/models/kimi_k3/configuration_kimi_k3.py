@@ -160,7 +160,7 @@ class KimiK3TextConfig(KimiHybridTextConfig):
             raise ValueError(
                 "experts_format='mxfp4' keeps the routed experts as their MXFP4 bytes, but this config's experts are "
                 "not stored in MXFP4 (text_config has no compressed-tensors quantization_config): use "
-                "experts_format='dense', or save the model with save_pretrained(..., experts_format='mxfp4') first"
+                "experts_format='dense', or save the model with save_pretrained(..., saved_experts='mxfp4') first"
             )
         self._experts_format = value
 

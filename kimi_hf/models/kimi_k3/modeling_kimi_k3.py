@@ -29,6 +29,7 @@ from .conversion_mapping_kimi_k3 import register_k3 as _register_k3_conversion_m
 # the released layout's adapter (its own module; imported here so that saved folders ship it, and for the old paths)
 from .state_dict_kimi_k3 import (  # noqa: F401  (check_mxfp4_headers ... were defined here)
     RELEASED_PREFIXES,
+    SAVED_EXPERTS,
     check_mxfp4_headers,
     k3_state_dict,
     load_k3_state_dict,
@@ -191,14 +192,15 @@ class KimiK3ForConditionalGeneration(KimiK3ExpertsFormatMixin, KimiHybridForCond
         self,
         save_directory,
         *args,
-        experts_format: str | None = None,
+        saved_experts: str | None = None,
         state_dict: dict | None = None,
         save_original_format: bool = True,
         **kwargs,
     ):
         """Writes Kimi K3's released layout (`k3_state_dict`) and a config in the released field names, with every
         keyword of transformers' `save_pretrained` (Trainer's `state_dict=`, `max_shard_size`, `is_main_process`, ...).
-        experts_format: "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released: weights off the MXFP4 grid,
+        saved_experts, how the routed experts are written (`experts_format` is how the model holds them in memory):
+        "mxfp4" (compressed-tensors mxfp4-pack-quantized, as released: weights off the MXFP4 grid,
         e.g. after fine-tuning, round to nearest), "dense" (plain `.weight` tensors in the model's dtype; the saved
         text_config then has no quantization_config), or None: as loaded, losslessly (MXFP4 when the config says so
         and the experts are still on its grid, else dense with a warning), so that Trainer's checkpoints resume
@@ -206,6 +208,11 @@ class KimiK3ForConditionalGeneration(KimiK3ExpertsFormatMixin, KimiHybridForCond
         state_dict: the tensors to write under the model's own names (default: the model's); converted likewise.
         save_original_format=False: transformers' in-memory layout instead (our names, dense experts), which
         from_pretrained reads too."""
+        if "experts_format" in kwargs:
+            raise TypeError(
+                "save_pretrained() takes saved_experts= ('mxfp4', 'dense' or 'lossless'), not experts_format=: "
+                "experts_format is how from_pretrained holds the experts in memory"
+            )
         text = self.config.text_config
         if not save_original_format:
             if text.experts_format == "mxfp4":
@@ -214,19 +221,19 @@ class KimiK3ForConditionalGeneration(KimiK3ExpertsFormatMixin, KimiHybridForCond
                     "model keeps them in MXFP4 (experts_format='mxfp4'): save the released layout (the default), or "
                     "load the model with experts_format='dense'"
                 )
-            if experts_format not in (None, "dense"):
+            if saved_experts not in (None, "dense"):
                 raise ValueError(
-                    f"save_original_format=False writes dense experts, not experts_format={experts_format!r}"
+                    f"save_original_format=False writes dense experts, not saved_experts={saved_experts!r}"
                 )
             with _experts_quantization(text, None):
                 return super().save_pretrained(
                     save_directory, *args, state_dict=state_dict, save_original_format=False, **kwargs
                 )
-        if experts_format is None and text.experts_format == "mxfp4":
-            experts_format = "mxfp4"  # the resident bytes, written back as they are
-        elif experts_format is None:
-            experts_format = "lossless" if experts_are_mxfp4(text) else "dense"
-        state = k3_state_dict(self, experts_format, state_dict)
+        if saved_experts is None and text.experts_format == "mxfp4":
+            saved_experts = "mxfp4"  # the resident bytes, written back as they are
+        elif saved_experts is None:
+            saved_experts = "lossless" if experts_are_mxfp4(text) else "dense"
+        state = k3_state_dict(self, saved_experts, state_dict)
         mxfp4 = any(k.endswith(".weight_packed") for k in state)
         with _experts_quantization(text, K3_MXFP4_QUANTIZATION_CONFIG if mxfp4 else None):
             return super().save_pretrained(

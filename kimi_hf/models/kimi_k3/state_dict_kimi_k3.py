@@ -33,6 +33,8 @@ logger = logging.get_logger(__name__)
 _OUR_PREFIXES = sorted(((ours, released) for released, ours in K3_PREFIXES), key=lambda p: -len(p[0]))
 _MOONVIT_BACK = [(re.compile(src), tgt) for src, tgt in rename_pairs(MOONVIT_NAMES, reverse=True)]
 _LANGUAGE_MODEL = K3_PREFIXES[0][0]  # "language_model.model."
+# How `k3_state_dict` / `save_pretrained(saved_experts=)` can write the routed experts.
+SAVED_EXPERTS = ("mxfp4", "dense", "lossless")
 
 
 def released_name(name: str, sparse_layers: set[int]) -> tuple[str, tuple | None]:
@@ -71,39 +73,40 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def k3_state_dict(
     model: torch.nn.Module,
-    experts_format: str = "mxfp4",
+    saved_experts: str = "mxfp4",
     state_dict: dict[str, torch.Tensor] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The model's tensors under Kimi K3's released names and shapes (the inverse of the load-time conversion):
     `language_model.model.*` / `language_model.lm_head.weight` / `vision_tower.*` / `mm_projector.*`, MoE blocks as
     `block_sparse_moe` with per-expert `w1` (gate), `w3` (up), `w2` (down), Attention Residual pairs as
     `*_res_norm.weight` [d] and `*_res_proj.weight` [1, d], `A_log` zero-padded to [head_dim].
-    experts_format "mxfp4": `weight_packed` / `weight_scale` (round to nearest E2M1 where a weight is not on the
+    saved_experts (how the routed experts are written; `experts_format` is how a model holds them in memory) "mxfp4":
+    `weight_packed` / `weight_scale` (round to nearest E2M1 where a weight is not on the
     grid; lossless for weights loaded from MXFP4), "dense": `.weight` in the model's dtype (bf16 for a bf16 model),
     "lossless": MXFP4 if every expert is on the MXFP4 grid (exact), else dense (what `save_pretrained` does by default
     for a model loaded from MXFP4, so that a save never rounds a fine-tuned weight silently).
     state_dict: the model's tensors under its own names (default `model.state_dict()`; Trainer passes its own, e.g.
     accelerate's gathered FSDP state dict)."""
-    if experts_format not in ("mxfp4", "dense", "lossless"):
-        raise ValueError(f"experts_format must be 'mxfp4', 'dense' or 'lossless', got {experts_format!r}")
-    if experts_format == "lossless":
+    if saved_experts not in SAVED_EXPERTS:
+        raise ValueError(f"saved_experts must be 'mxfp4', 'dense' or 'lossless', got {saved_experts!r}")
+    if saved_experts == "lossless":
         try:
             return _k3_state_dict(model, "exact", state_dict)
         except _OffGrid as e:
             logger.warning(
                 f"{e}: the routed experts are no longer on the MXFP4 grid (trained?), so they are saved as dense "
-                "`.weight` tensors, losslessly; pass experts_format='mxfp4' to round them to MXFP4 instead"
+                "`.weight` tensors, losslessly; pass saved_experts='mxfp4' to round them to MXFP4 instead"
             )
             return _k3_state_dict(model, "dense", state_dict)
-    return _k3_state_dict(model, experts_format, state_dict)
+    return _k3_state_dict(model, saved_experts, state_dict)
 
 
 class _OffGrid(ValueError):
     """An expert weight that MXFP4 cannot hold exactly (k3_state_dict's "lossless" format falls back to dense)."""
 
 
-def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Tensor]:
-    """k3_state_dict's conversion; experts_format "mxfp4", "exact" (MXFP4, raising _OffGrid) or "dense"."""
+def _k3_state_dict(model, saved_experts: str, state_dict) -> dict[str, torch.Tensor]:
+    """k3_state_dict's conversion; saved_experts "mxfp4", "exact" (MXFP4, raising _OffGrid) or "dense"."""
     text = model.config.text_config
     sparse = {i for i, t in enumerate(text.mlp_layer_types) if t == "sparse"}
     out = {}
@@ -130,7 +133,7 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
         base, _, leaf = key.rpartition(".")
         if base.endswith(".experts") and leaf in EXPERT_WEIGHTS and tensor.dtype == torch.uint8:
             _released_mxfp4_experts(
-                out, base, leaf, tensor, _full(state[name + _SCALE].detach()), experts_format, model
+                out, base, leaf, tensor, _full(state[name + _SCALE].detach()), saved_experts, model
             )
             continue
         if base.endswith(".experts") and leaf in EXPERT_WEIGHTS:
@@ -139,11 +142,11 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
             for w, stacked in parts.items():
                 for e in range(stacked.shape[0]):
                     expert = f"{base}.{e}.{w}"
-                    if experts_format in ("mxfp4", "exact"):
+                    if saved_experts in ("mxfp4", "exact"):
                         try:
-                            packed, scale = quantize_mxfp4(stacked[e], name=expert, exact=experts_format == "exact")
+                            packed, scale = quantize_mxfp4(stacked[e], name=expert, exact=saved_experts == "exact")
                         except ValueError as err:
-                            if experts_format == "exact" and "not MXFP4-representable" in str(err):
+                            if saved_experts == "exact" and "not MXFP4-representable" in str(err):
                                 raise _OffGrid(expert) from None
                             raise
                         out[expert + ".weight_packed"], out[expert + ".weight_scale"] = packed, scale
@@ -157,7 +160,7 @@ def _k3_state_dict(model, experts_format: str, state_dict) -> dict[str, torch.Te
 _SCALE = "_scale"  # KimiHybridMxfp4Experts: `gate_up_proj` holds the packed bytes, `gate_up_proj_scale` the scales
 
 
-def _released_mxfp4_experts(out, base, leaf, packed, scale, experts_format, model) -> None:
+def _released_mxfp4_experts(out, base, leaf, packed, scale, saved_experts, model) -> None:
     """A resident layer's stacked MXFP4 bytes (packed [E, rows, in / 2], scale [E, rows, in / 32]) as the release's
     per-expert tensors: the bytes themselves for "mxfp4" / "exact" (bit for bit: they are what was loaded), decoded
     into the model's dtype for "dense"."""
@@ -165,7 +168,7 @@ def _released_mxfp4_experts(out, base, leaf, packed, scale, experts_format, mode
     for w, p, s in zip(names, packed.chunk(len(names), dim=1), scale.chunk(len(names), dim=1)):
         for e in range(p.shape[0]):
             expert = f"{base}.{e}.{w}"
-            if experts_format == "dense":
+            if saved_experts == "dense":
                 out[expert + ".weight"] = dequantize_mxfp4(p[e], s[e], dtype=model.dtype, name=expert)
             else:
                 out[expert + ".weight_packed"], out[expert + ".weight_scale"] = p[e].contiguous(), s[e].contiguous()
@@ -337,4 +340,11 @@ def check_mxfp4_headers(folder: str, text_config) -> None:
                     raise ValueError(f"{where}: expert {e}, but the config has num_experts {text_config.num_experts}")
 
 
-__all__ = ["RELEASED_PREFIXES", "check_mxfp4_headers", "k3_state_dict", "load_k3_state_dict", "released_name"]
+__all__ = [
+    "RELEASED_PREFIXES",
+    "SAVED_EXPERTS",
+    "check_mxfp4_headers",
+    "k3_state_dict",
+    "load_k3_state_dict",
+    "released_name",
+]

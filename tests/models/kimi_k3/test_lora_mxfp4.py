@@ -96,7 +96,7 @@ def test_adapter_saves_reloads_and_merges(folder, tmp_path):
         torch.testing.assert_close(merged(ids).logits, tuned, rtol=0, atol=2e-4)
     # exported: the experts' bytes as released, the merged projections dense; a dense copy on request
     merged.save_pretrained(tmp_path / "merged")
-    merged.save_pretrained(tmp_path / "merged_dense", experts_format="dense")
+    merged.save_pretrained(tmp_path / "merged_dense", saved_experts="dense")
     for path, fmt in ((tmp_path / "merged", "mxfp4"), (tmp_path / "merged_dense", "dense")):
         names = [k for p in glob.glob(str(path / "*.safetensors")) for k in safe_open(p, "pt").keys()]
         assert any(k.endswith("w1.weight_packed") for k in names) == (fmt == "mxfp4")

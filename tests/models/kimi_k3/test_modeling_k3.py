@@ -322,7 +322,7 @@ def test_save_pretrained_writes_the_released_layout_and_reloads(k3_checkpoint, t
 
 def test_save_with_dense_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
     model, _ = load(k3_checkpoint.folder, dtype=torch.bfloat16, experts_format="dense")
-    model.save_pretrained(tmp_path, experts_format="dense")
+    model.save_pretrained(tmp_path, saved_experts="dense")
     saved = _read_all(tmp_path)
     assert not any(k.endswith(("weight_packed", "weight_scale")) for k in saved)
     assert saved["language_model.model.layers.1.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16
@@ -333,8 +333,11 @@ def test_save_with_dense_experts_says_so_in_the_config(k3_checkpoint, tmp_path):
     ids = text_ids(k3_checkpoint.config)
     with torch.no_grad():
         assert torch.equal(reloaded(input_ids=ids).logits, model(input_ids=ids).logits)
-    with pytest.raises(ValueError, match="experts_format"):
-        model.save_pretrained(tmp_path / "x", experts_format="int4")
+    with pytest.raises(ValueError, match="saved_experts must be"):
+        model.save_pretrained(tmp_path / "x", saved_experts="int4")
+    with pytest.raises(TypeError, match="takes saved_experts="):  # the in-memory name, refused before any write
+        model.save_pretrained(tmp_path / "y", experts_format="mxfp4")
+    assert not (tmp_path / "y").exists()
 
 
 def test_batched_generation_with_left_padding_equals_each_row_alone(fp32_checkpoint):

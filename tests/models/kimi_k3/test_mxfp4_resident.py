@@ -110,7 +110,7 @@ def test_save_writes_the_packed_bytes_back_bit_for_bit(models, fp32_folder, tmp_
     reloaded = KimiK3ForConditionalGeneration.from_pretrained(tmp_path / "resident")
     assert reloaded.experts_format == "mxfp4"
     # dense on request: dequantised, exactly the dense model's experts
-    resident.save_pretrained(tmp_path / "as_dense", experts_format="dense")
+    resident.save_pretrained(tmp_path / "as_dense", saved_experts="dense")
     as_dense = read_folder(tmp_path / "as_dense")
     key = next(k for k in as_dense if ".experts.0.w1.weight" in k)
     want = dense.state_dict()[next(k for k in dense.state_dict() if k.endswith("mlp.experts.gate_up_proj"))]

@@ -149,7 +149,7 @@ def _umask() -> int:
 
 def test_untrained_experts_stay_mxfp4_and_rounding_is_asked_for(release, tmp_path):
     """The lossless default keeps MXFP4 for experts on its grid (the release's values); experts off the
-    grid are saved dense with the same values, and rounded only when asked (experts_format="mxfp4")."""
+    grid are saved dense with the same values, and rounded only when asked (saved_experts="mxfp4")."""
     model = KimiK3ForConditionalGeneration.from_pretrained(release, dtype=torch.float32, experts_format="dense")
     model.save_pretrained(tmp_path / "as_loaded")
     with open(tmp_path / "as_loaded" / "config.json") as f:
@@ -166,7 +166,7 @@ def test_untrained_experts_stay_mxfp4_and_rounding_is_asked_for(release, tmp_pat
     )
     with torch.no_grad():
         model.model.language_model.layers[1].mlp.experts.down_proj.add_(1e-3)
-    model.save_pretrained(tmp_path / "rounded", experts_format="mxfp4")
+    model.save_pretrained(tmp_path / "rounded", saved_experts="mxfp4")
     with open(tmp_path / "rounded" / "config.json") as f:
         assert "quantization_config" in json.load(f)["text_config"]
     rounded = KimiK3ForConditionalGeneration.from_pretrained(

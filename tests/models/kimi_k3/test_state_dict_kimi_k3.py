@@ -9,7 +9,14 @@ from kimi_hf.models import hub_kimi
 from kimi_hf.models.kimi_k3 import modeling_kimi_k3, state_dict_kimi_k3
 
 
-PUBLIC = ("RELEASED_PREFIXES", "check_mxfp4_headers", "k3_state_dict", "load_k3_state_dict", "released_name")
+PUBLIC = (
+    "RELEASED_PREFIXES",
+    "SAVED_EXPERTS",
+    "check_mxfp4_headers",
+    "k3_state_dict",
+    "load_k3_state_dict",
+    "released_name",
+)
 
 
 def test_the_adapter_lives_in_its_module_and_the_old_paths_still_work():

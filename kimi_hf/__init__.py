@@ -27,6 +27,7 @@ __all__ = [
     "LORA_TARGET_MODULES",
     "K3_LORA_TARGET_MODULES",
     "lora_target_modules",
+    "lora_config",
     "KimiHybridCache",
     "KimiHybridTextConfig",
     "KimiHybridPreTrainedModel",
@@ -61,7 +62,7 @@ def _register() -> None:
     import transformers
 
     from . import ops
-    from .lora_targets import lora_target_modules
+    from .lora_targets import lora_config, lora_target_modules
     from .models import hub_kimi
     from .models.kimi_hybrid.cache_kimi_hybrid import KimiHybridCache
     from .models.kimi_hybrid.modeling_kimi_hybrid import LORA_TARGET_MODULES, KimiHybridPreTrainedModel
@@ -74,6 +75,7 @@ def _register() -> None:
         "LORA_TARGET_MODULES": LORA_TARGET_MODULES,
         "K3_LORA_TARGET_MODULES": K3_LORA_TARGET_MODULES,
         "lora_target_modules": lora_target_modules,
+        "lora_config": lora_config,
         "KimiHybridPreTrainedModel": KimiHybridPreTrainedModel,
     }
     for entries in hub_kimi.AUTO_MAPS.values():

@@ -5,6 +5,7 @@
     kimi-hf convert k3 SRC DST [...]                (Kimi K3 with its MXFP4 experts dequantised)
     kimi-hf plan MODEL_DIR_OR_CONFIG --task infer|lora|full --gpus N [...]   (per-rank memory of a K3 job)
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
+    kimi-hf finetune --model DIR --data PATH [...]  (LoRA / full fine-tuning on any layout; torchrun for several)
     kimi-hf bench NAME [...]                        (benchmarks/NAME.py of a source checkout)
 
 `kimi-hf COMMAND --help` shows a command's options. Errors are printed on one line; set
@@ -29,6 +30,7 @@ COMMAND_HELP = {
     "k3 (dequantise Kimi K3's MXFP4 experts)",
     "plan": "per-rank memory of a K3 job (weights, adapters, gradients, optimizer, activations) and the layout that fits",
     "serve": "an OpenAI-compatible HTTP server (transformers serve) for this package's models",
+    "finetune": "fine-tune Kimi K3 / Kimi Linear on your data (LoRA or full) on any parallel layout",
     "bench": "run one of the benchmarks/ scripts of a source checkout",
 }
 CONVERTERS = {
@@ -53,6 +55,7 @@ BENCHMARKS = {
     "k3_rank_load": "loading K3 per rank (gloo ranks): each rank's peak against its share of the model",
     "k3_context_memory": "context parallelism: memory per rank of a training step on one long sequence, 1 / 2 / 4 ranks",
     "k3_export": "the streaming export of a trained K3 checkpoint: peak memory against the model it writes",
+    "chunked_loss": "the LM head + loss in chunks of tokens (loss_chunk_size) vs the whole logits: peak memory, time",
 }
 # what a command raises for bad input or a failed run: printed on one line, not as a traceback
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
@@ -168,6 +171,12 @@ def _serve(argv):
     return main(argv, prog=f"{PROG} serve")
 
 
+def _finetune(argv):
+    from .finetune.cli import main  # torch is imported once the flags are read
+
+    main(argv, prog=f"{PROG} finetune")
+
+
 def _bench(argv):
     name = _choose(
         f"{PROG} bench",
@@ -188,7 +197,14 @@ def _bench(argv):
         raise SystemExit(code)
 
 
-COMMANDS = {"quickstart": _quickstart, "convert": _convert, "plan": _plan, "serve": _serve, "bench": _bench}
+COMMANDS = {
+    "quickstart": _quickstart,
+    "convert": _convert,
+    "plan": _plan,
+    "serve": _serve,
+    "finetune": _finetune,
+    "bench": _bench,
+}
 
 
 def run(argv: list[str] | None = None):

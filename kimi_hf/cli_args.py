@@ -53,4 +53,25 @@ def check_output_folder(path: str | None, flag: str = "--out") -> None:
         raise NotADirectoryError(f"{flag} {path!r} is a file, not a folder")
 
 
-__all__ = ["ArgumentParser", "check_output_folder", "check_positive", "layer_count", "size"]
+PRINTER_GRACE_S = 30  # how long the silent ranks of a refusal wait for the printing one (then exit all the same)
+
+
+def refuse(error: BaseException, prog: str, printer: str | None = None):
+    """A launched job's refusal: one line `PROG: error: ...` on stderr, exit status 2. printer: for a refusal that
+    every rank makes alike, the environment variable ("RANK", "LOCAL_RANK") whose rank 0 alone prints it; the other
+    ranks first wait (the printing one's exit ends them sooner), as torchrun stops every rank once one has failed,
+    the printing one too if it had not printed yet. KIMI_HF_TRACEBACK=1: the traceback instead (as `kimi-hf`)."""
+    import sys
+
+    if os.environ.get("KIMI_HF_TRACEBACK"):
+        raise error
+    if printer is None or os.environ.get(printer, "0") == "0":
+        print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+    else:
+        import time
+
+        time.sleep(PRINTER_GRACE_S)
+    raise SystemExit(2) from None
+
+
+__all__ = ["ArgumentParser", "check_output_folder", "check_positive", "layer_count", "refuse", "size"]

@@ -36,4 +36,20 @@ def lora_target_modules(config) -> list[str]:
     )
 
 
-__all__ = ["lora_target_modules"]
+# lora_alpha = LORA_ALPHA_PER_RANK x r: the adapters' scaling (alpha / r) is 2 at every rank, which the exporters
+# that merge a trained adapter take as given (kimi_hf.distributed.export.export_lora's `scaling`)
+LORA_ALPHA_PER_RANK = 2
+
+
+def lora_config(config, rank: int = 16, target_modules=None):
+    """The package's `peft.LoraConfig` for a model of `config`: rank r, lora_alpha 2 r, no dropout (the same
+    adapters and the same step on every layout), `target_modules` default `lora_target_modules(config)`."""
+    from peft import LoraConfig
+
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
+        raise ValueError(f"--lora-rank must be a positive integer, got {rank!r}")
+    targets = lora_target_modules(config) if target_modules is None else target_modules
+    return LoraConfig(r=rank, lora_alpha=LORA_ALPHA_PER_RANK * rank, lora_dropout=0.0, target_modules=targets)
+
+
+__all__ = ["LORA_ALPHA_PER_RANK", "lora_config", "lora_target_modules"]

@@ -1,6 +1,7 @@
 """`transformers serve` for this package's models: an OpenAI-compatible HTTP server.
 
     python -m kimi_hf.serving MODEL_DIR --port 8000 [--host 127.0.0.1] [--device cpu] [--dtype float32]
+                              [--adapter ADAPTER_DIR]
 
 transformers' server loads a checkpoint as `getattr(transformers, config.architectures[0])`, so a model
 class that lives outside transformers is not found there (trust_remote_code does not change that
@@ -18,11 +19,16 @@ Requests name the model by MODEL exactly as given on the command line (transform
 server to it and answers 400 to any other name), or by a `--served-model-name` alias, which `/v1/models` then
 lists in the path's place. The multimodal
 models take OpenAI `image_url` parts (data: URLs or local files; nothing is downloaded offline).
+
+`--adapter ADAPTER_DIR` serves MODEL with a PEFT LoRA adapter (saved by PEFT in kimi_hf's names, or in Kimi K3's
+released names by kimi_hf.adapters_released.save_released_adapter): transformers serve has no adapters, so the
+adapter is merged into the weights when the model loads (`merge_and_unload`); requests still name MODEL.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 from .served_models import GENERATION_AUTO_CLASSES, served_model_classes, served_model_types  # noqa: F401
 
@@ -42,6 +48,27 @@ def check_model_dir(model: str) -> None:
     )
 
 
+def check_adapter_dir(adapter: str) -> None:
+    """A one-line error before the server starts: a PEFT LoRA adapter folder (adapter_config.json naming LoRA, and
+    adapter_model.safetensors)."""
+    import json
+
+    from .cli_args import check_output_folder
+
+    if not os.path.exists(adapter):
+        raise FileNotFoundError(f"--adapter {adapter!r} does not exist")
+    check_output_folder(adapter, "--adapter")
+    config = os.path.join(adapter, "adapter_config.json")
+    if not os.path.isfile(config):
+        raise ValueError(f"--adapter {adapter!r} is not a PEFT adapter folder (no adapter_config.json)")
+    with open(config, encoding="utf-8") as f:
+        peft_type = json.load(f).get("peft_type")
+    if peft_type != "LORA":
+        raise ValueError(f"--adapter {adapter!r}: peft_type {peft_type!r}, only LoRA adapters are merged")
+    if not os.path.isfile(os.path.join(adapter, "adapter_model.safetensors")):
+        raise ValueError(f"--adapter {adapter!r} has no adapter_model.safetensors")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving") -> None:
     p = argparse.ArgumentParser(
         prog=prog, description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
@@ -58,16 +85,23 @@ def main(argv: list[str] | None = None, prog: str = "python -m kimi_hf.serving")
         metavar="NAME",
         help="another name that requests may use for the model (besides MODEL itself); repeatable",
     )
+    p.add_argument(
+        "--adapter",
+        metavar="ADAPTER_DIR",
+        help="a PEFT LoRA adapter folder (kimi_hf's names or Kimi K3's released ones) merged into the model at load",
+    )
     p.add_argument("--log-level", default="warning", help="the server's log level")
     args = p.parse_args(argv)
     check_model_dir(args.model)
+    if args.adapter is not None:
+        check_adapter_dir(args.adapter)
     try:  # the serving extra (fastapi, uvicorn, openai) is checked by the import and by Serve() itself
         from transformers.cli.serve import Serve
     except ImportError as e:
         raise SystemExit(f"the server needs transformers' serving extra: pip install 'transformers[serving]' ({e})")
     from .serving_transformers import install
 
-    install(aliases=args.served_model_name)
+    install(aliases=args.served_model_name, adapter=args.adapter and os.path.abspath(args.adapter))
     Serve(
         force_model=args.model,
         host=args.host,

@@ -14,6 +14,10 @@ saved beside a processor loads its tokenizer (AutoProcessor would build the mult
 `--served-model-name` aliases: requests may name the model by an alias, and `/v1/models` lists the aliases (as vLLM
 does with --served-model-name); the path given on the command line is still accepted.
 
+`--adapter DIR`: transformers serve has no adapters, so a PEFT LoRA adapter (in kimi_hf's module names or in the
+release's, kimi_hf.adapters_released) is merged into the model when it loads (`PeftModel.from_pretrained(model,
+DIR).merge_and_unload()`), in the process that loads it: the server then serves the merged weights.
+
 Importing this module needs transformers' serving extra (fastapi, uvicorn): kimi_hf.serving imports it only to serve.
 """
 
@@ -58,6 +62,16 @@ def served_modality(model_type: str | None) -> Modality | None:
     return Modality.VLM if "AutoModelForImageTextToText" in entries else Modality.LLM
 
 
+def merge_adapter(model, adapter: str | None):
+    """The model with the PEFT LoRA adapter at `adapter` merged into its weights (in place: the same model object),
+    or the model as it is when adapter is None."""
+    if adapter is None:
+        return model
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, adapter).merge_and_unload()
+
+
 def _is_tokenizer(processor) -> bool:
     return processor is not None and not hasattr(processor, "image_processor")
 
@@ -92,6 +106,12 @@ if SPAWNS_MODEL_PROCESS:
     class KimiModelLoader(_StockModelLoader):
         """transformers 5.25+'s ModelLoader for this package's models (a copy runs in each model's process)."""
 
+        adapter: str | None = None  # set by install(); copied onto each instance, which is what the copy pickles
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.adapter = type(self).adapter
+
         def load_processor(self, model_id: str):
             repo, revision, gguf_file = parse_model_id(model_id)
             if gguf_file is None:
@@ -102,7 +122,8 @@ if SPAWNS_MODEL_PROCESS:
 
         def _load_model(self, model_id: str, tqdm_class=None, progress_callback=None):
             expose_model_classes()  # in the model's spawned process, which has not run `kimi-hf serve`'s set-up
-            return super()._load_model(model_id, tqdm_class=tqdm_class, progress_callback=progress_callback)
+            model = super()._load_model(model_id, tqdm_class=tqdm_class, progress_callback=progress_callback)
+            return merge_adapter(model, self.adapter)
 
         @staticmethod
         def get_model_modality(config, processor=None) -> Modality | None:
@@ -120,6 +141,11 @@ else:
 
     class KimiModelManager(_AliasesMixin, _StockModelManager):
         """transformers 5.24's ModelManager (models in the server's process) for this package's models."""
+
+        adapter: str | None = None  # set by install()
+
+        def _load_model(self, *args, **kwargs):
+            return merge_adapter(super()._load_model(*args, **kwargs), self.adapter)
 
         def _load_processor(self, model_id_and_revision: str, gguf_file: str | None = None):
             if gguf_file is None:
@@ -149,18 +175,29 @@ def _resolve_alias_then(resolve):
     return _resolve_model
 
 
-def install(aliases: list[str] | tuple[str, ...] = ()) -> None:
+def install(aliases: list[str] | tuple[str, ...] = (), adapter: str | None = None) -> None:
     """Makes the stock server (`transformers.cli.serve.Serve`) use the classes above: it imports its manager and
-    loader from `transformers.cli.serving.model_manager` when it starts, so they are replaced there."""
+    loader from `transformers.cli.serving.model_manager` when it starts, so they are replaced there. adapter: a PEFT
+    LoRA adapter folder merged into the model when it loads (`merge_adapter`)."""
     expose_model_classes()
     KimiModelManager.aliases = tuple(aliases)
     _model_manager.ModelManager = KimiModelManager
     if SPAWNS_MODEL_PROCESS:
+        KimiModelLoader.adapter = adapter
         _model_manager.ModelLoader = KimiModelLoader
-    elif not getattr(_serving_utils.BaseHandler._resolve_model, "_kimi_hf", False):
+        return
+    KimiModelManager.adapter = adapter
+    if not getattr(_serving_utils.BaseHandler._resolve_model, "_kimi_hf", False):
         _serving_utils.BaseHandler._resolve_model = _resolve_alias_then(_serving_utils.BaseHandler._resolve_model)
 
 
-__all__ = ["KimiModelManager", "SPAWNS_MODEL_PROCESS", "expose_model_classes", "install", "served_modality"]
+__all__ = [
+    "KimiModelManager",
+    "SPAWNS_MODEL_PROCESS",
+    "expose_model_classes",
+    "install",
+    "merge_adapter",
+    "served_modality",
+]
 if SPAWNS_MODEL_PROCESS:
     __all__.append("KimiModelLoader")

@@ -429,3 +429,73 @@ def test_serves_a_k3_text_model_saved_beside_a_processor(tmp_path):
         ]
     finally:
         print(stop(server))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --adapter: a PEFT LoRA adapter (here in Kimi K3's released names) merged into the model when it loads
+# ----------------------------------------------------------------------------------------------------------------
+def test_serves_a_k3_model_with_a_released_adapter_merged_at_load(tmp_path):
+    """A tiny KimiK3ForConditionalGeneration folder and a LoRA adapter over it saved in the release's module names
+    (kimi_hf.adapters_released): transformers serve has no adapters, so `--adapter` merges it when the model loads.
+    The reply is the merged model's greedy continuation of the prompt the server builds, which is not the base
+    model's. Every added token is suppressed (generation_config.json, read by both), so the untrained models write
+    eight plain tokens: no markup for the server's parser to act on."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from kimi_hf import K3_LORA_TARGET_MODULES, KimiK3ForConditionalGeneration
+    from kimi_hf.adapters_released import save_released_adapter
+    from kimi_hf.presets import small_k3_config
+
+    processor = tiny_processor()
+    tok = processor.tokenizer
+    torch.manual_seed(0)
+    config = small_k3_config(
+        vocab_size=len(tok),
+        media_token_id=tok.convert_tokens_to_ids("<|media_pad|>"),
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=chat_stop_token_ids(tok)[0],
+        pad_token_id=tok.pad_token_id,
+    )
+    path, adapter = tmp_path / "k3", tmp_path / "adapter"
+    KimiK3ForConditionalGeneration(config).save_pretrained(path)
+    processor.save_pretrained(path)
+    generation = GenerationConfig.from_pretrained(path)
+    generation.suppress_tokens = sorted(tok.added_tokens_decoder)
+    generation.save_pretrained(path)
+    lora = LoraConfig(r=4, lora_alpha=64, target_modules=K3_LORA_TARGET_MODULES, init_lora_weights=False)
+    save_released_adapter(get_peft_model(KimiK3ForConditionalGeneration.from_pretrained(path), lora), str(adapter))
+
+    messages = [{"role": "user", "content": "Say yes."}]
+    prompt = torch.tensor([k3_prompt_ids(processor, messages)])
+
+    def greedy(model) -> str:
+        with torch.no_grad():
+            out = model.eval().generate(prompt, max_new_tokens=8, do_sample=False)
+        return tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True)
+
+    with_adapter = PeftModel.from_pretrained(KimiK3ForConditionalGeneration.from_pretrained(path), str(adapter))
+    expected = greedy(with_adapter.merge_and_unload())
+    assert expected != greedy(KimiK3ForConditionalGeneration.from_pretrained(path))  # the adapter decides it
+    server, url = start(path, "--adapter", str(adapter))
+    try:
+        reply = chat(url, str(path), "Say yes.", max_tokens=8)["choices"][0]
+        assert reply["message"]["content"] == expected and reply["finish_reason"] == "length"
+    finally:
+        print(stop(server))
+
+
+def test_adapter_start_up_errors_are_one_line(tmp_path):
+    path = tmp_path / "good"
+    KimiHybridForCausalLM(tiny_config()).save_pretrained(path)
+    (tmp_path / "not_an_adapter").mkdir()
+    for adapter, message in [
+        (tmp_path / "missing", "does not exist"),
+        (tmp_path / "not_an_adapter", "no adapter_config.json"),
+    ]:
+        r = subprocess.run(
+            [sys.executable, "-m", "kimi_hf.cli", "serve", str(path), "--adapter", str(adapter)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -79,22 +79,24 @@ def shard_sequence(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
     return x.chunk(size, dim)[rank].contiguous()
 
 
-def context_parallel_batch(input_ids: torch.Tensor, group, position_ids: torch.Tensor | None = None) -> dict:
+def context_parallel_batch(
+    input_ids: torch.Tensor, group, position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None
+) -> dict:
     """This rank's part of a batch of whole sequences: input_ids [B, T] (and position_ids [1 or B, T], restarting at
-    0 for packed documents; default 0 .. T - 1) -> {"input_ids", "position_ids", "shift_labels"} [B, T / size]. The
-    labels are shifted before the split (a rank's last label is the next rank's first token; -100 at the very end,
-    and where a packed document ends)."""
+    0 for packed documents; default 0 .. T - 1; labels [B, T], unshifted, -100 not trained; default input_ids) ->
+    {"input_ids", "position_ids", "shift_labels"} [B, T / size]. The labels are shifted before the split (a rank's
+    last label is the next rank's first one; -100 at the very end, and where a packed document ends)."""
     B, T = input_ids.shape
     if position_ids is None:
         position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)
     position_ids = position_ids.expand(B, T)
-    labels = torch.full_like(input_ids, -100)
-    labels[:, :-1] = input_ids[:, 1:]
-    labels[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = -100  # no label across a document start
+    shifted = torch.full_like(input_ids, -100)
+    shifted[:, :-1] = (input_ids if labels is None else labels)[:, 1:]
+    shifted[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = -100  # no label across a document start
     return {
         "input_ids": shard_sequence(input_ids, group),
         "position_ids": shard_sequence(position_ids, group),
-        "shift_labels": shard_sequence(labels, group),
+        "shift_labels": shard_sequence(shifted, group),
     }
 
 

@@ -122,7 +122,18 @@ def export_lora(step_dir: str, model_dir: str, out_dir: str, scaling: float, ove
 
     check_export_dir(out_dir, model_dir, step_dir, overwrite)
     config = AutoConfig.from_pretrained(model_dir)
-    factors = lora_factors(step_dir, config.get_text_config())
+    factors = {name: (b, a, scaling) for name, (b, a) in lora_factors(step_dir, config.get_text_config()).items()}
+    return merge_into_folder(model_dir, out_dir, factors, overwrite)
+
+
+def merge_into_folder(
+    model_dir: str, out_dir: str, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]], overwrite: bool = False
+) -> dict:
+    """The released folder `model_dir` with each weight named in `factors` ({released weight name: (B [out, r],
+    A [r, in], scale)}) merged as W + scale B A (fp32, stored in W's dtype), shard by shard under the source's shard
+    names and index, its other files copied; written to `out_dir` (checked by the caller: `check_export_dir`).
+    Shared by export_lora and kimi_hf.adapters_released.merge_released_adapter."""
+    factors = dict(factors)
     shards = _source_shards(model_dir)
     os.makedirs(os.path.dirname(os.path.abspath(out_dir)), exist_ok=True)
     merged = 0
@@ -134,8 +145,8 @@ def export_lora(step_dir: str, model_dir: str, out_dir: str, scaling: float, ove
                 for name in f.keys():
                     t = f.get_tensor(name)
                     if name in factors:
-                        b, a = factors.pop(name)
-                        t = torch.addmm(t.float(), b.float(), a.float(), alpha=scaling).to(t.dtype)
+                        b, a, scale = factors.pop(name)
+                        t = torch.addmm(t.float(), b.float(), a.float(), alpha=scale).to(t.dtype)
                         merged += 1
                     tensors[name] = t
             path = os.path.join(tmp, shard)
@@ -196,4 +207,4 @@ def export_full(
     return {"shards": len(names), "bytes": writer.total_bytes}
 
 
-__all__ = ["check_export_dir", "export_full", "export_lora", "lora_factors"]
+__all__ = ["check_export_dir", "export_full", "export_lora", "lora_factors", "merge_into_folder"]

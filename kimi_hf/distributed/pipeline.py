@@ -102,7 +102,7 @@ def check_stage_config(distributed_config) -> None:
 
 def shard_stage(model: nn.Module, stage: PipelineStageInfo, mesh) -> KimiPipelineStageModule:
     """FSDP2 (torch's fully_shard) of one stage over its data ranks, `mesh` (a 1-D mesh, or 2-D dp_replicate x fsdp
-    for HSDP: `kimi_hf.distributed.mesh.data_mesh`); returns the KimiPipelineStageModule to build the schedule on.
+    for HSDP: `kimi_hf.distributed.parallel_dims.data_mesh`); returns the KimiPipelineStageModule to build the schedule on.
     Call it after LoRA (the adapters are sharded with their layers).
 
     A stage loaded with expert parallelism first has its experts sharded over the ranks that hold the same experts
@@ -137,26 +137,68 @@ class CausalLMLoss:
     ranks) over `grad_divide` (what data parallelism divides the summed gradients by: FSDP2 averages them). The
     micro-batches' losses then add up to one process's mean loss of the step, and the schedule must not scale
     the gradients again (`scale_grads=False`). `shifted=True`: the labels a schedule passes are already shifted
-    (context parallelism: a rank's slice of labels shifted before the split, `context_parallel_batch`)."""
+    (context parallelism: a rank's slice of labels shifted before the split, `context_parallel_batch`).
 
-    def __init__(self, vocab_size: int, num_items: int = 1, grad_divide: int = 1, shifted: bool = False):
+    `head` and `chunk_size` (a model whose text config sets `loss_chunk_size`: its last stage returns the normed
+    hidden states [b, T, d] instead of the logits, KimiPipelineStageModule): the loss applies the stage's `lm_head`
+    itself, `chunk_size` tokens at a time (kimi_hf.ops.chunked_causal_lm_loss, the same loss and gradients), so the
+    last stage never holds a micro-batch's whole logits:
+
+        text = model.config.get_text_config()
+        loss_fn = CausalLMLoss(text.vocab_size, grad_divide=dp, head=model.lm_head, chunk_size=text.loss_chunk_size)
+    """
+
+    def __init__(
+        self,
+        vocab_size: int,
+        num_items: int = 1,
+        grad_divide: int = 1,
+        shifted: bool = False,
+        head: nn.Module | None = None,
+        chunk_size: int | None = None,
+    ):
+        if (head is None) != (chunk_size is None):
+            raise ValueError(
+                "CausalLMLoss takes head and chunk_size together (the chunked loss on the last stage's hidden "
+                f"states) or neither (the loss on its logits); got head={type(head).__name__}, chunk_size={chunk_size!r}"
+            )
+        if chunk_size is not None and (
+            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
+        ):
+            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
         self.vocab_size, self.num_items, self.grad_divide = vocab_size, num_items, grad_divide
         self.shifted = shifted
+        self.head, self.chunk_size = head, chunk_size
 
     def __call__(
-        self, logits: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
+        self, output: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """labels [B, T] (shifted here), or shift_labels [B, T] already shifted (context parallelism: a rank's slice
-        of labels shifted before the split)."""
+        """output: the last stage's logits [B, T, V] (or its hidden states [B, T, d] with `head`); labels [B, T]
+        (shifted here), or shift_labels [B, T] already shifted (context parallelism: a rank's slice of labels
+        shifted before the split)."""
         from transformers.loss.loss_utils import ForCausalLMLoss
+
+        from ..ops.chunked_cross_entropy import chunked_causal_lm_loss
 
         if self.shifted and shift_labels is None:
             labels, shift_labels = None, labels
-        return ForCausalLMLoss(
-            logits,
+        num_items = self.num_items / self.grad_divide
+        if self.head is None:
+            if output.shape[-1] != self.vocab_size:
+                raise ValueError(
+                    f"the last stage returned [..., {output.shape[-1]}], not logits over {self.vocab_size} tokens: a "
+                    "model with loss_chunk_size returns its hidden states; pass CausalLMLoss(head=model.lm_head, "
+                    "chunk_size=text_config.loss_chunk_size)"
+                )
+            return ForCausalLMLoss(
+                output, labels, self.vocab_size, num_items_in_batch=num_items, shift_labels=shift_labels
+            )
+        return chunked_causal_lm_loss(
+            output,
+            self.head,
             labels,
-            self.vocab_size,
-            num_items_in_batch=self.num_items / self.grad_divide,
+            chunk_size=self.chunk_size,
+            num_items_in_batch=num_items,
             shift_labels=shift_labels,
         )
 

@@ -1,4 +1,5 @@
-"""Stable public home of the operators: `from kimi_hf.ops import chunk_kda, recurrent_kda, depth_attention`.
+"""Stable public home of the operators: `from kimi_hf.ops import chunk_kda, recurrent_kda, depth_attention`,
+`linear_cross_entropy` / `chunked_causal_lm_loss` (the language-model head and its loss in chunks of tokens).
 
 KDA and the MXFP4 ops load lazily (PEP 562): importing one op module (e.g. `kimi_hf.ops.mxfp4`, the MXFP4 codec that
 the converters use) does not import the others, nor the Triton kernels behind KDA.
@@ -19,6 +20,8 @@ _EXPORTS = {
     "dequantize_mxfp4": "mxfp4",
     "quantize_mxfp4": "mxfp4",
     "mxfp4_grouped_linear": "mxfp4_matmul",
+    "linear_cross_entropy": "chunked_cross_entropy",
+    "chunked_causal_lm_loss": "chunked_cross_entropy",
 }
 __all__ = ["depth_attention", "depth_attention_weights", *_EXPORTS]
 

@@ -1,9 +1,8 @@
 """The memory planner behind `kimi-hf plan`: per-rank bytes of a Kimi K3 / Kimi Linear job for a parallel layout,
 from the config alone (see planner.py). The planner (torch) is imported on first use, so `kimi-hf plan --help` and
-its flag errors stay instant."""
+its flag errors stay instant. The layout a plan takes is the trainer's: `kimi_hf.distributed.ParallelDims`."""
 
 from ..sizes import parse_size as parse_bytes  # its name here before kimi_hf.sizes held the one size parser
-from .layout import Layout, check_layout
 
 
 _LAZY = {"MemoryPlan", "Planner", "load_config"}
@@ -17,4 +16,4 @@ def __getattr__(name):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["Layout", "MemoryPlan", "Planner", "check_layout", "load_config", "parse_bytes"]
+__all__ = ["MemoryPlan", "Planner", "load_config", "parse_bytes"]

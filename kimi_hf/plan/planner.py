@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..distributed.parallel_dims import ParallelDims
+from ..models.kimi_hybrid.pipeline_kimi_hybrid import stage_layer_ranges
 from ..sizes import parse_size
-from .layout import Layout, check_layout
-from .trace import TOP, LiveStorages, storage_keys, tag_layers
+from .trace import TOP, LiveStorages, register_fused_attention, storage_keys, tag_layers
 
 
 TASKS = ("infer", "lora", "full")
@@ -106,19 +107,18 @@ def _build(config, dtype: torch.dtype, experts_format: str, text_only: bool):
         config, cls = config.get_text_config(), (KimiK3ForCausalLM if k3 else KimiHybridForCausalLM)
     else:
         cls = KimiK3ForConditionalGeneration if k3 else KimiHybridForConditionalGeneration
-    with torch.device("meta"):
-        return cls._from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with torch.device("meta"):  # attention as a GPU's fused kernel holds it (trace.fused_attention)
+        return cls._from_config(config, dtype=dtype, attn_implementation=register_fused_attention())
 
 
 def _lora(model, rank: int):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    from ..lora_targets import lora_target_modules
+    from ..lora_targets import lora_config
 
-    targets = lora_target_modules(model.config)
     with warnings.catch_warnings():  # PEFT reads transformers' deprecated checkpointing names
         warnings.simplefilter("ignore", FutureWarning)
-        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets))
+        return get_peft_model(model, lora_config(model.config, rank))
 
 
 @dataclass
@@ -134,7 +134,7 @@ class _Tensor:
     muon: bool
     element: int  # bytes an element
 
-    def shard(self, layout: Layout) -> tuple[int, int]:
+    def shard(self, layout: ParallelDims) -> tuple[int, int]:
         """(bytes on one rank, bytes on one rank before FSDP's split: what an all-gather brings in)."""
         if self.expert:  # whole experts over ep (ep > 1), else split by tp; the experts' FSDP takes the rest
             split_rows = self.rows // layout.ep if layout.ep > 1 else self.rows
@@ -189,13 +189,15 @@ def _tensors(model, text_config) -> list[_Tensor]:
     return out
 
 
-def _stage(layer: int | None, first: bool, layers: int, pp: int) -> int:
+def _stage(layer: int | None, first: bool, stages: list[range]) -> int:
+    """The pipeline stage holding a tensor of `layer` (None: the embedding on the first, the rest on the last), in
+    the loader's split (`stage_layer_ranges`)."""
     if layer is None:
-        return 0 if first else pp - 1
-    return layer * pp // layers
+        return 0 if first else len(stages) - 1
+    return next(s for s, layers in enumerate(stages) if layer in layers)
 
 
-def _trace_config(text_config, layout: Layout):
+def _trace_config(text_config, layout: ParallelDims):
     """One tp rank's share of the text config: its heads and intermediate widths; its routed slots (with ep: whole
     experts, micro_batch x seq_len x top-k / tp slots a rank, as the tp ranks share the tokens)."""
     c = copy.deepcopy(text_config)
@@ -222,7 +224,7 @@ class _Trace:
 
 def trace_activations(
     config,
-    layout: Layout,
+    layout: ParallelDims,
     task: str,
     seq_len: int,
     micro_batch: int,
@@ -230,9 +232,12 @@ def trace_activations(
     dtype: torch.dtype,
     experts_format: str,
     lora_rank: int,
+    loss_chunk_size: int | None = None,
 ) -> _Trace:
-    """A forward of one rank's text model on meta tensors (see the module docstring)."""
+    """A forward of one rank's text model on meta tensors (see the module docstring); with loss_chunk_size the
+    model's chunked head + loss, as the trainer runs it."""
     text = _trace_config(config.get_text_config(), layout)
+    text.loss_chunk_size = loss_chunk_size
     model = _build(text, dtype, experts_format, text_only=True)
     ids = torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta")
     # no padding: the masks the model would build and then skip (their checks read values meta tensors lack)
@@ -272,11 +277,17 @@ def trace_activations(
     saved = run(True) if checkpointing else full
     vocab = text.vocab_size
     element = dtype.itemsize
-    # the backward starts from the loss's gradient: fp32 over the logits, then in the model's dtype
-    return _Trace(saved=saved, layer_full=full, logits_grad=micro_batch * seq_len * vocab * (4 + element))
+    tokens = micro_batch * seq_len
+    # the backward starts from the loss's gradient: fp32 over the logits, then in the model's dtype; chunked, one
+    # chunk's logits (this rank's vocabulary slice under tp: the head is vocabulary-parallel) in fp32 and the
+    # model's dtype twice, and the fp32 gradient of the hidden states it sums into
+    grad = tokens * vocab * (4 + element)
+    if loss_chunk_size is not None:
+        grad = min(loss_chunk_size, tokens) * (vocab // layout.tp) * (4 + 2 * element) + tokens * text.hidden_size * 4
+    return _Trace(saved=saved, layer_full=full, logits_grad=grad)
 
 
-def cache_bytes_per_token(text_config, layout: Layout, dtype: torch.dtype) -> tuple[int, int]:
+def cache_bytes_per_token(text_config, layout: ParallelDims, dtype: torch.dtype) -> tuple[int, int]:
     """(decode cache bytes a token, fixed bytes a sequence) on one tp rank: MLA's compressed latent and rope key
     (shared by the heads, so on every rank) per full-attention layer; KDA's fp32 [K, V] state per head and its
     short convolutions' last kernel-1 inputs of q, k and v per linear-attention layer."""
@@ -295,7 +306,7 @@ class MemoryPlan:
     """Bytes on the fullest rank (`per_rank`), the model's total weight bytes and whether the job fits."""
 
     task: str
-    layout: Layout
+    layout: ParallelDims
     gpus: int
     dp_replicate: int
     gpu_memory: int
@@ -305,6 +316,7 @@ class MemoryPlan:
     experts_format: str
     seq_len: int
     micro_batch: int
+    loss_chunk_size: int | None
     checkpointing: bool
     optimizer: str
     cache_per_token: int
@@ -332,6 +344,7 @@ class MemoryPlan:
             "experts_format": self.experts_format,
             "seq_len": self.seq_len,
             "micro_batch": self.micro_batch,
+            "loss_chunk_size": self.loss_chunk_size,
             "checkpointing": self.checkpointing,
             "optimizer": self.optimizer if self.task != "infer" else None,
             "trainable_parameters": self.trainable,
@@ -357,6 +370,7 @@ class Planner:
         optimizer: str = "muonclip",
         lora_rank: int = 16,
         dtype: torch.dtype | str | None = None,
+        loss_chunk_size: int | None = None,
     ):
         if task not in TASKS:
             raise ValueError(f"--task must be one of {', '.join(TASKS)}, got {task!r}")
@@ -373,6 +387,9 @@ class Planner:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype}")
         self.task, self.optimizer, self.dtype = task, optimizer, dtype
+        if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
+            raise ValueError(f"--loss-chunk-size must be a positive integer (or 0: off), got {loss_chunk_size!r}")
+        self.loss_chunk_size = loss_chunk_size if task != "infer" else None
         self.seq_len, self.micro_batch, self.checkpointing, self.lora_rank = (
             seq_len,
             micro_batch,
@@ -390,36 +407,32 @@ class Planner:
         self.trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         self._traces: dict[tuple[int, int], _Trace] = {}
 
-    def _trace(self, layout: Layout) -> _Trace:
-        key = (layout.tp, layout.ep > 1)
+    def _trace(self, layout: ParallelDims) -> _Trace:
+        key = (layout.tp, layout.ep > 1, layout.cp)
         if key not in self._traces:
             self._traces[key] = trace_activations(
                 self.config,
                 layout,
                 self.task,
-                self.seq_len,
+                self.seq_len // layout.cp,  # context parallelism: a rank holds seq_len / cp tokens of each sequence
                 self.micro_batch,
                 self.checkpointing,
                 self.dtype,
                 self.experts_format,
                 self.lora_rank,
+                self.loss_chunk_size,
             )
         return self._traces[key]
 
-    def plan(self, layout: Layout, gpus: int | None = None, gpu_memory: str | int = "141GB", headroom: float = 0.08):
-        """The MemoryPlan of `layout` on `gpus` devices (default: one replica) of `gpu_memory` bytes each ("141GB" =
-        141 x 10^9, "139GiB" = 139 x 2^30: `kimi_hf.sizes`), of which `headroom` (a fraction) is kept for the CUDA
-        context, communication buffers and fragmentation."""
-        gpus = layout.replica if gpus is None else gpus
-        memory = parse_size(gpu_memory, "--gpu-memory")
-        if not 0 <= headroom < 1:
-            raise ValueError(f"--headroom must be a fraction in [0, 1), got {headroom!r}")
-        dp = check_layout(layout, gpus, self.text)
+    def _static(self, layout: ParallelDims) -> tuple[list[dict[str, int]], list[range]]:
+        """Per pipeline stage, the bytes that do not depend on the batch: weights, adapters, gradients, optimizer
+        states, FSDP2's gathered layers in flight (the loader's pipeline split)."""
         layers, pp = self.text.num_hidden_layers, layout.pp
+        split = stage_layer_ranges(layers, pp)  # the pipeline stage loader's split
         stages = [dict.fromkeys(("weights", "adapters", "gradients", "optimizer"), 0) for _ in range(pp)]
         gathered = [[0] * layers for _ in range(pp)]
         for t in self.tensors:
-            s = _stage(t.layer, t.first, layers, pp)
+            s = _stage(t.layer, t.first, split)
             local, full = t.shard(layout)
             stages[s][t.kind] += local
             if t.layer is not None and layout.fsdp > 1:
@@ -428,13 +441,32 @@ class Planner:
                 stages[s]["gradients"] += local
                 per_element = 4 if (t.muon and self.optimizer == "muonclip") else 8  # fp32 momentum / moments
                 stages[s]["optimizer"] += local // t.element * per_element
+        for s in range(pp):
+            stages[s]["fsdp_gather"] = 2 * max(gathered[s], default=0)  # FSDP2: the running and the prefetched layer
+        return stages, split
+
+    def static_bytes(self, layout: ParallelDims) -> int:
+        """The fullest stage's bytes before activations: a lower bound of the plan's total (cheap: no trace)."""
+        return max(sum(row.values()) for row in self._static(layout)[0])
+
+    def plan(self, layout: ParallelDims, gpu_memory: str | int = "141GB", headroom: float = 0.08) -> "MemoryPlan":
+        """The MemoryPlan of `layout` (its world: the devices in all) on devices of `gpu_memory` bytes each ("141GB" =
+        141 x 10^9, "139GiB" = 139 x 2^30: `kimi_hf.sizes`), of which `headroom` (a fraction) is kept for the CUDA
+        context, communication buffers and fragmentation. The layout is checked as the trainer checks it
+        (`ParallelDims.check`, with the sequence's context-parallel split): a plan is only made of what runs."""
+        if not isinstance(layout, ParallelDims):
+            raise TypeError(f"layout must be a kimi_hf.distributed.ParallelDims, got {type(layout).__name__}")
+        memory = parse_size(gpu_memory, "--gpu-memory")
+        if not 0 <= headroom < 1:
+            raise ValueError(f"--headroom must be a fraction in [0, 1), got {headroom!r}")
+        layout.check(self.text, seq_len=self.seq_len if self.task != "infer" else None)
+        stages, split = self._static(layout)
         trace = self._trace(layout)
         per_token, per_sequence = cache_bytes_per_token(self.text, layout, self.dtype)
         best = None
-        for s in range(pp):
+        for s in range(layout.pp):
             row = stages[s]
-            row["fsdp_gather"] = 2 * max(gathered[s], default=0)  # FSDP2: the running layer and the prefetched one
-            parts, cache = self._activations(trace, s, pp, layers)
+            parts, cache = self._activations(trace, s, split)
             row["activations"], row["cache"] = sum(parts.values()), cache
             row["total"] = sum(row.values())
             if best is None or row["total"] > best[1]["total"]:
@@ -443,8 +475,8 @@ class Planner:
         return MemoryPlan(
             task=self.task,
             layout=layout,
-            gpus=gpus,
-            dp_replicate=dp,
+            gpus=layout.world,
+            dp_replicate=layout.dp_replicate,
             gpu_memory=memory,
             usable=int(memory * (1 - headroom)),
             per_rank=row,
@@ -452,6 +484,7 @@ class Planner:
             experts_format=self.experts_format,
             seq_len=self.seq_len,
             micro_batch=self.micro_batch,
+            loss_chunk_size=self.loss_chunk_size,
             checkpointing=self.checkpointing,
             optimizer=self.optimizer,
             cache_per_token=per_token,
@@ -462,12 +495,13 @@ class Planner:
             activation_parts=parts,
         )
 
-    def _activations(self, trace: _Trace, stage: int, pp: int, layers: int) -> tuple[dict[str, int], int]:
+    def _activations(self, trace: _Trace, stage: int, split: list[range]) -> tuple[dict[str, int], int]:
         """({part: bytes} of a stage's activations, its decode cache). Training under 1F1B: stage s holds pp - s
         micro-batches' activations of its layers (by mixer kind); the last stage adds what the embedding, the depth
         mixing between layers, the head and the loss hold, and the backward's transient."""
+        pp, layers = len(split), split[-1].stop
         last = stage == pp - 1
-        mine = [i for i in range(layers) if i * pp // layers == stage]
+        mine = list(split[stage])
         if self.task == "infer":  # the prefill runs stage by stage: its peak and its cache, by layers
             share = len(mine) / layers
             cache = int(trace.saved[TOP] * share)

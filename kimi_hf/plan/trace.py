@@ -15,6 +15,40 @@ from torch.utils._pytree import tree_leaves
 
 
 TOP = -1  # the tag of storages created outside every decoder layer (embedding, depth mixing, norm, head, loss)
+FUSED_ATTENTION = "kimi_planner_fused"  # the attention implementation of a trace (`fused_attention`)
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a fused attention kernel (FlashAttention, PyTorch's memory-efficient SDPA: what a GPU runs for MLA,
+    its v padded to the q / k head size) makes and keeps: the output [B, H, T, D] and the fp32 log-sum-exp [B, H, T],
+    saved with q, k, v for the backward; never the [T, T] scores. On meta tensors, shapes only."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def fused_attention(module, query, key, value, attention_mask=None, **kwargs):
+    """A transformers attention function (query / key / value [B, H, T, D]) -> ([B, T, H, D], None) with a fused
+    kernel's memory: torch's SDPA on the meta device decomposes into the math path, which materialises the scores
+    (at K3's 8192 tokens and 96 heads: tens of GB a layer that no GPU kernel makes)."""
+    return _FusedAttention.apply(query, key, value).transpose(1, 2), None
+
+
+def register_fused_attention() -> str:
+    """Registers `fused_attention` with transformers' AttentionInterface; returns its name."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(FUSED_ATTENTION, fused_attention)
+    return FUSED_ATTENTION
 
 
 def _meta_grouped_mm(func, args, kwargs) -> torch.Tensor | None:

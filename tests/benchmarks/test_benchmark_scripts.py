@@ -18,6 +18,7 @@ from common import Timing, scaling_warning, spread_cell, spread_warning, timed  
 
 
 TIMED = {
+    "chunked_loss.py",
     "kda.py",
     "kda_cuda.py",
     "model.py",
@@ -29,6 +30,19 @@ TIMED = {
 }
 
 CASES = {
+    "chunked_loss.py": [
+        "--tokens",
+        "128",
+        "256",
+        "--vocab",
+        "512",
+        "--hidden",
+        "16",
+        "--chunk",
+        "32",
+        "--repeats",
+        "1",
+    ],
     "k3.py": [
         "--hidden",
         "64",
@@ -107,6 +121,13 @@ CASES = {
 FWD_KDA = "| T | ours ms | hf chunk ms | hf loop ms | spread | vs hf chunk | vs hf loop |"  # --no-memory
 CHUNK_KDA_CUDA = "| T | mode | ours ms | fla ms | spread | ours / fla time | ours MB | fla MB |"
 TABLES = {
+    "chunked_loss.py": [
+        (
+            "| tokens | vocab | hidden | dtype | chunk | plain peak MB | chunked peak MB | ratio | plain ms | chunked ms "
+            "| spread | time ratio |",
+            [("128", "512"), ("256", "512"), ("8192", "163840", "7168", "bfloat16", "4096"), ("8192", "163840")],
+        )
+    ],
     "attn_res.py": [
         (
             "| | final val loss | s/step in training | fwd+bwd s, interleaved | spread | overhead (interleaved) |",

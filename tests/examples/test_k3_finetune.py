@@ -8,50 +8,18 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from tests.distributed.launch import ROOT, clean_env, free_port, run
 
-ROOT = Path(__file__).resolve().parents[2]
+
 SCRIPT = ROOT / "examples" / "k3_finetune.py"
 COMMON = ["--steps", "3", "--data", "random", "--seq-len", "32"]
 REL = 1e-5  # the issue's bound: the same seed and data give the same losses in every layout
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def env() -> dict:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("ACCELERATE_", "TORCHELASTIC_"))}
-    for k in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        clean.pop(k, None)
-    return {**clean, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-
-
-def run(cmd: list[str], timeout: int = 600, extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**env(), **(extra_env or {})},
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        raise AssertionError(f"timed out: {cmd}\n{out[-2000:]}{err[-4000:]}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def losses(out: subprocess.CompletedProcess) -> dict[int, float]:
@@ -142,7 +110,7 @@ def test_context_parallel_matches_one_process(k3_folder, reference, mode, nproc,
 
 def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path):
     """Two torchrun "nodes" of 2 processes each meeting at a c10d rendezvous on 127.0.0.1 (what a 2-node cluster job
-    runs, one command a node) train LoRA on PP 2 x FSDP2 2 x EP 2 (a stage's resident MXFP4 experts split over its
+    runs, one command a node) train LoRA on `--pp 2 --ep 2` (fsdp filled in: PP 2 x FSDP2 2 x EP 2) (a stage's resident MXFP4 experts split over its
     2 data ranks) for 2 of the 3 steps and save a sharded checkpoint; FSDP2 x EP 2 on 2 ranks resumes it (DCP
     reshards the adapters and MuonClip's momentum) for the last step: the losses are one process's."""
     port, ck = free_port(), tmp_path / "ck"
@@ -169,9 +137,7 @@ def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path)
             "--pp",
             "2",
             "--ep",
-            "2",
-            "--fsdp",
-            "2",
+            "2",  # --fsdp left out: the 2 data ranks pp 2 leaves of 4 (ParallelDims), as torchtitan's -1
             "--steps",
             "2",
             "--checkpoint-dir",
@@ -181,7 +147,13 @@ def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path)
     ]
     procs = [
         subprocess.Popen(
-            c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=ROOT, start_new_session=True
+            c,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
         )
         for c in cmds
     ]
@@ -252,7 +224,7 @@ def test_resume_is_bit_identical(k3_folder, reference, tmp_path):
     [
         (["--ep", "3"], "--ep 3 does not divide num_experts"),
         (["--pp", "9"], "--pp 9 leaves a pipeline stage without layers"),
-        (["--fsdp", "2"], "does not divide the world size 1"),
+        (["--fsdp", "2"], "--fsdp 2 does not divide the 1 data ranks"),
         (["--cp", "2"], "--cp 2 does not divide the 1 data ranks"),
         (["--cp", "2", "--seq-len", "33"], "--seq-len 33 is not divisible by --cp 2"),
         (
@@ -282,7 +254,7 @@ def test_bad_input_is_one_line(k3_folder, tmp_path, args, message, capsys):
 @pytest.mark.parametrize(
     "world, args, fix",
     [
-        (4, ["--lora", "--pp", "2", "--ep", "2"], "add --fsdp 2"),
+        (4, ["--lora", "--pp", "2", "--ep", "2", "--fsdp", "1"], "add --fsdp 2"),
         (2, ["--tp", "2"], "add --ep 2"),  # the MXFP4 experts' 96 inputs would split into 48, not 32-blocks
         (1, ["--fsdp", "2"], "drop --fsdp 2"),
         (2, ["--micro-batches", "3"], "use --micro-batches 4"),
@@ -308,9 +280,9 @@ def test_refused_layouts_name_the_flag_that_fixes_them(k3_folder, monkeypatch, c
 
 
 def test_a_refused_layout_is_printed_once_by_rank_0(k3_folder):
-    """--pp 2 --ep 2 on 4 ranks: one line naming the fix (not one a rank), every rank exiting with status 2."""
+    """--pp 2 --ep 2 --fsdp 1 on 4 ranks: one line naming the fix (not one a rank), every rank exiting with status 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", str(free_port())]
-    cmd += [str(SCRIPT), "--model", str(k3_folder), *COMMON, "--lora", "--pp", "2", "--ep", "2"]
+    cmd += [str(SCRIPT), "--model", str(k3_folder), *COMMON, "--lora", "--pp", "2", "--ep", "2", "--fsdp", "1"]
     out = run(cmd)
     assert out.returncode != 0 and out.stdout == ""
     errors = [line for line in out.stderr.splitlines() if "k3_finetune: error:" in line]

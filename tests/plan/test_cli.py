@@ -25,14 +25,15 @@ def released() -> str:
 
 def test_released_k3_inference_plan_as_json():
     """The whole released K3 (2.8 T parameters) on meta: the resident experts' bytes are 1.45 TB of its 1.56 TB."""
-    done = run(released(), "--task", "infer", "--tp", "8", "--ep", "8", "--fsdp", "2", "--gpus", "16", "--json")
+    done = run(released(), "--task", "infer", "--ep", "16", "--gpus", "16", "--json")
     assert done.returncode == 0, done.stderr[-3000:]
     [line] = done.stdout.strip().splitlines()
     plan = json.loads(line)
     assert set(plan["per_rank"]) >= {"weights", "adapters", "gradients", "optimizer", "activations", "total"}
-    assert plan["layout"] == {"tp": 8, "ep": 8, "pp": 1, "fsdp": 2}
+    # fsdp left out: the 16 data ranks (the trainer's rule, kimi_hf.distributed.ParallelDims)
+    assert plan["layout"] == {"world": 16, "tp": 1, "ep": 16, "pp": 1, "fsdp": 16, "cp": 1, "dp_replicate": 1}
     assert 1.5e12 < plan["total_weights"] < 1.6e12  # MXFP4: 4.25 bits an expert weight
-    # 16 ranks share the weights: the experts by tp x fsdp, the rest by fsdp (and tp where the plan shards)
+    # 16 ranks share the weights: the experts by ep (over tp x fsdp), the rest by fsdp
     assert plan["total_weights"] / 16 <= plan["per_rank"]["weights"] < plan["total_weights"] / 14
     assert plan["per_rank"]["gradients"] == plan["per_rank"]["optimizer"] == 0
     assert plan["fits"] is (plan["per_rank"]["total"] <= plan["usable_memory"])
@@ -43,7 +44,8 @@ def test_released_k3_inference_plan_as_json():
     [
         (["--ep", "3"], "--ep 3 does not divide num_experts (896)"),
         (["--tp", "5", "--gpus", "5"], "--tp 5 does not divide num_attention_heads (96)"),
-        (["--tp", "8", "--gpus", "12"], "does not divide --gpus 12"),
+        (["--tp", "8", "--gpus", "12"], "--pp 1 x --tp 8 = 8 does not divide --gpus 12"),
+        (["--tp", "8", "--fsdp", "2", "--gpus", "16"], "--tp 8 with --fsdp 2"),  # as the trainer refuses it
         (["--task", "full", "--experts-format", "mxfp4"], "--task full trains the routed experts"),
         (["--pp", "94", "--gpus", "94"], "--pp 94 leaves a pipeline stage without layers"),
     ],
@@ -68,7 +70,7 @@ def test_a_plan_that_does_not_fit_exits_1_after_printing_it(as_json, capsys):
     """The verdict is the exit status (as --suggest finding no layout is): the table or the JSON is printed on stdout,
     then one line on stderr and status 1. 16 x 141GB fit the released K3's inference (the first test); 16 x 50GB
     do not."""
-    args = ["--task", "infer", "--tp", "8", "--ep", "8", "--fsdp", "2", "--gpus", "16", "--gpu-memory", "50GB"]
+    args = ["--task", "infer", "--ep", "16", "--gpus", "16", "--gpu-memory", "50GB"]
     assert main(["plan", released(), *args, *(["--json"] if as_json else [])]) == 1
     out, err = capsys.readouterr()
     if as_json:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kimi_hf.plan import Layout, Planner
+from kimi_hf.distributed import ParallelDims
+from kimi_hf.plan import Planner
 
 from ..models.kimi_hybrid.test_tensor_parallel import ROOT, free_port
 from ..models.kimi_k3.release_format import tiny_k3_config, write_k3_checkpoint
@@ -62,7 +63,7 @@ def measure(folder, tmp_path, task, checkpointing, experts_format, ranks=1) -> l
     return [json.loads(p.read_text()) for p in paths]
 
 
-def plan(folder, task, checkpointing, experts_format, layout=Layout()):
+def plan(folder, task, checkpointing, experts_format, layout=ParallelDims(world=1)):
     planner = Planner(
         folder,
         task=task,
@@ -118,7 +119,7 @@ def test_two_fsdp2_ranks_match_the_plan(folder, tmp_path):
     """torchrun, 2 gloo ranks, FSDP2 on every decoder layer and the model: each rank's shard of the weights (resident
     MXFP4 bytes included), adapters, gradients and MuonClip states."""
     ranks = measure(folder, tmp_path, "lora", True, "mxfp4", ranks=2)
-    planned = plan(folder, "lora", True, "mxfp4", Layout(fsdp=2))
+    planned = plan(folder, "lora", True, "mxfp4", ParallelDims(world=2, fsdp=2))
     p = planned.per_rank
     for r, measured in enumerate(ranks):
         for key in ("weights", "adapters", "gradients", "optimizer"):
@@ -140,11 +141,11 @@ def test_suggest_finds_the_fewest_devices_that_fit(folder, capsys):
     suggested = main([*args, "--suggest", "--gpu-memory", str(memory), "--json"])
     assert json.loads(capsys.readouterr().out)["fits"] is True and suggested.fits and suggested.gpus > 1
     planner = Planner(folder, task="infer", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype="bfloat16")
-    for n, layout in candidate_layouts(planner.text):
-        if n >= suggested.gpus:
+    for layout in candidate_layouts(planner.text):
+        if layout.world >= suggested.gpus:
             break
         try:
-            assert not planner.plan(layout, n, memory).fits, layout
+            assert not planner.plan(layout, memory).fits, layout
         except ValueError:  # a layout the model cannot run
             pass
 
@@ -154,8 +155,12 @@ def test_a_model_saved_in_fp32_or_fp16_plans(folder, dtype):
     """The quickstart saves its model in fp32: torch's meta kernel of grouped_mm takes bf16 only, so tracing it failed
     ("Expected inputs of BF16 type", shown as an UnboundLocalError). The trace now runs in the config's dtype: the
     dense weights take the element size, the activations at least bf16's."""
-    bf16 = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype="bfloat16").plan(Layout())
-    wide = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype=dtype).plan(Layout())
+    bf16 = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype="bfloat16").plan(
+        ParallelDims(world=1)
+    )
+    wide = Planner(folder, task="lora", seq_len=SEQ_LEN, micro_batch=MICRO_BATCH, dtype=dtype).plan(
+        ParallelDims(world=1)
+    )
     scale = 2 if dtype == "float32" else 1
     assert bf16.per_rank["weights"] * (scale if scale == 1 else 1.2) <= wide.per_rank["weights"]  # MXFP4 stays
     assert wide.per_rank["weights"] <= bf16.per_rank["weights"] * scale

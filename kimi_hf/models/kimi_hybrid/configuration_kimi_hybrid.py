@@ -158,6 +158,15 @@ class KimiHybridTextConfig(PreTrainedConfig):
         routed_expert_hidden_size: Stable LatentMoE (K3): routed experts run in this latent width, between
             routed_expert_down_proj and routed_expert_up_proj; the router and the shared experts see the full
             hidden. latent_moe_use_norm: an RMSNorm (routed_expert_norm) of the weighted expert sum.
+    Training:
+        loss_chunk_size: None (default) computes the loss from the whole logits, as transformers does; a number of
+            tokens makes a forward with `labels` compute the head and the cross-entropy that many tokens at a time,
+            the logits never whole (kimi_hf.ops.chunked_cross_entropy: exact, the logits recomputed in the
+            backward) and return `logits=None`. Forwards without labels, or with `logits_to_keep`, are unchanged.
+            Kimi K3 at 8192 tokens (vocab 163840, bf16): the plain loss peaks at 15.0 GB a sequence beyond its
+            inputs, 1024 tokens a chunk at 3.3 GB, 2.2 GB of which is the head's gradient that both hold
+            (benchmarks/chunked_loss.py). A training setting, not an architecture field: K3's config (released
+            field names) writes it only when set.
     Moonshot's config.json spells some of these differently (linear_attn_config.use_full_rank_gate /
     gate_lower_bound, attn_res_block_size in layers); both spellings are read. Fields of an architecture this
     class does not implement (MTP layers, another router activation, ...) raise a ValueError naming them.
@@ -226,6 +235,7 @@ class KimiHybridTextConfig(PreTrainedConfig):
     mla_latent_norm_eps: float = 1e-6
     routed_expert_hidden_size: int | None = None
     latent_moe_use_norm: bool = False
+    loss_chunk_size: int | None = None  # training: the chunked head + loss (see the docstring)
 
     def __post_init__(self, **kwargs):
         for alias, field in self.attribute_map.items():  # other spellings, applied before validation
@@ -392,6 +402,9 @@ class KimiHybridTextConfig(PreTrainedConfig):
             raise ValueError(f"routed_expert_hidden_size must be None or a positive integer, got {latent!r}")
         if self.latent_moe_use_norm and latent is None:
             raise ValueError("latent_moe_use_norm needs routed_expert_hidden_size (the latent width it normalises)")
+        chunk = self.loss_chunk_size
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ValueError(f"loss_chunk_size must be None or a positive number of tokens, got {chunk!r}")
         if self.attn_residual == "full" and bs not in (None, 1):
             raise ValueError(
                 f"attn_residual='full' means one sublayer per block: attn_residual_block_size must be "

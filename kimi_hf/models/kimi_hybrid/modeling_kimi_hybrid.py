@@ -20,6 +20,7 @@ from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
 from transformers.generation import GenerationMixin
 from transformers.integrations import use_experts_implementation
+from transformers.loss.loss_utils import ForCausalLMLoss
 from transformers.masking_utils import (
     create_causal_mask,
     create_recurrent_attention_mask,
@@ -34,6 +35,7 @@ from transformers.utils.generic import merge_with_config_defaults
 from transformers.utils.output_capturing import OutputRecorder, capture_outputs
 
 from ...mx_block import MX_BLOCK
+from ...ops.chunked_cross_entropy import chunked_causal_lm_loss
 from ...ops.depth_attention import depth_attention, depth_attention_weights, push_depth_output
 from ...ops.kda import chunk_kda, recurrent_kda
 from ...ops.kda_context import chunk_kda_context_parallel
@@ -1172,6 +1174,9 @@ class KimiHybridForCausalLM(KimiHybridPreTrainedModel, GenerationMixin):
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MoeCausalLMOutputWithPast:
+        """Logits of the last `logits_to_keep` positions (0: all) and, with labels, the shifted cross-entropy. With
+        `config.loss_chunk_size` set, a forward with labels returns the loss and `logits=None`: the head and the loss
+        run in chunks of tokens, the logits never whole (`lm_output`)."""
         past_key_values = cache if cache is not None else past_key_values
         if output_router_logits is None:
             output_router_logits = self.config.output_router_logits
@@ -1203,12 +1208,27 @@ def lm_output(
 ) -> MoeCausalLMOutputWithPast:
     """The language-model head on a decoder's outputs: logits (of the last `logits_to_keep` positions),
     the shifted cross-entropy when labels are given, plus the weighted router load-balancing loss
-    when `output_router_logits`. Shared by the text-only and the multimodal models."""
-    positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
-    logits = model.lm_head(outputs.last_hidden_state[:, positions, :])
+    when `output_router_logits`. Shared by the text-only and the multimodal models.
+
+    With `text_config.loss_chunk_size` set (`model.config.get_text_config().loss_chunk_size = n`), a forward with
+    labels over every position (logits_to_keep 0) computes the head and the loss together, n tokens at a time
+    (`chunked_causal_lm_loss`: the same loss and gradients, the [B, T, V] logits never whole) and returns the loss
+    with `logits=None`. Without labels, or with logits_to_keep, the logits are computed as usual."""
     loss = aux_loss = None
-    if labels is not None:
-        loss = model.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
+    chunk = text_config.loss_chunk_size
+    if labels is not None and chunk is not None and isinstance(logits_to_keep, int) and logits_to_keep == 0:
+        if model.loss_function is not ForCausalLMLoss:  # a replaced loss function needs the logits
+            raise ValueError(
+                f"loss_chunk_size computes transformers' ForCausalLMLoss, but this model's loss_function is "
+                f"{getattr(model.loss_function, '__name__', model.loss_function)!r}: set loss_chunk_size=None to use it"
+            )
+        logits = None
+        loss = chunked_causal_lm_loss(outputs.last_hidden_state, model.lm_head, labels, chunk_size=chunk, **kwargs)
+    else:
+        positions = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+        logits = model.lm_head(outputs.last_hidden_state[:, positions, :])
+        if labels is not None:
+            loss = model.loss_function(logits=logits, labels=labels, vocab_size=text_config.vocab_size, **kwargs)
     if output_router_logits and outputs.router_logits:
         routers = [m for m in model.modules() if isinstance(m, KimiHybridRouter)]
         aux_loss = router_load_balancing_loss(outputs.router_logits, routers, attention_mask)

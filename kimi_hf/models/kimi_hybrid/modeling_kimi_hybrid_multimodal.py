@@ -286,6 +286,8 @@ class KimiHybridForConditionalGeneration(KimiHybridMultimodalPreTrainedModel, Ge
         cache: Cache | None = None,
         **kwargs: Unpack[TransformersKwargs],
     ) -> MultimodalMoeCausalLMOutputWithPast:
+        """As KimiHybridForCausalLM.forward, images written at the placeholders; `text_config.loss_chunk_size` set:
+        a forward with labels returns the loss and `logits=None` (the head and the loss in chunks of tokens)."""
         text_config = self.config.text_config
         if output_router_logits is None:
             output_router_logits = text_config.output_router_logits

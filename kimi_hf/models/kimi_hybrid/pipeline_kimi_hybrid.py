@@ -280,7 +280,8 @@ def stage_io_meta(model: nn.Module, stage: PipelineStageInfo, micro_batch: int, 
     torch's PipelineStage sends and receives, given up front so that it runs no forward of its own to infer them
     (a forward on uninitialised tensors would count router loads and QK-Clip maxima). The first stage takes
     input_ids; a boundary carries the hidden states [b, T, d] and, with Attention Residuals, the completed
-    blocks [n, b, T, d] (n from `depth_blocks_after`); the last stage returns the logits [b, T, V]."""
+    blocks [n, b, T, d] (n from `depth_blocks_after`); the last stage returns the logits [b, T, V], or with
+    `loss_chunk_size` the normed hidden states [b, T, d] (KimiPipelineStageModule)."""
     top, text = _top(model), decoder_of(model)
     config = text.config
     dtype = text.layers[stage.layers[0]].input_layernorm.weight.dtype
@@ -295,7 +296,10 @@ def stage_io_meta(model: nn.Module, stage: PipelineStageInfo, micro_batch: int, 
         return hidden, torch.empty(n, b, t, d, dtype=dtype, device="meta", requires_grad=True)
 
     inputs = (torch.empty(b, t, dtype=torch.long, device="meta"),) if stage.is_first else boundary(stage.layers.start)
-    if stage.is_last:
+    if stage.is_last and config.loss_chunk_size is not None:  # the head runs in the loss (CausalLMLoss(head=))
+        hidden_dtype = torch.promote_types(dtype, text.norm.weight.dtype)
+        outputs = (torch.empty(b, t, d, dtype=hidden_dtype, device="meta", requires_grad=True),)
+    elif stage.is_last:
         outputs = (
             torch.empty(b, t, config.vocab_size, dtype=top.lm_head.weight.dtype, device="meta", requires_grad=True),
         )
@@ -311,7 +315,9 @@ class KimiPipelineStageModule(nn.Module):
     in the graph with a zero as in one process). Middle stages: hidden states [b, T, d] (and, with Attention
     Residuals, the completed blocks [n, b, T, d]). Every stage runs its layers on masks and positions built from
     its input's shape (or `position_ids`, a keyword every rank passes for packed documents); the last returns the
-    logits [b, T, V]. Under context parallelism (enable_context_parallel on the stage's model) T is this rank's
+    logits [b, T, V], or, when the text config sets `loss_chunk_size`, the normed hidden states [b, T, d]: the loss
+    function then applies the head chunk by chunk (kimi_hf.distributed.CausalLMLoss(..., head=lm_head,
+    chunk_size=...)), the logits never whole. Under context parallelism (enable_context_parallel on the stage's model) T is this rank's
     slice of the sequences, and the positions are the slice's global ones (`context_positions`)."""
 
     def __init__(self, model: nn.Module, stage: PipelineStageInfo):
@@ -343,7 +349,10 @@ class KimiPipelineStageModule(nn.Module):
             return hidden if blocks is None else (hidden, blocks)
         if blocks is not None:
             hidden = text.final_res(blocks, hidden)
-        return top.lm_head(text.norm(hidden))
+        hidden = text.norm(hidden)
+        if text.config.loss_chunk_size is not None:  # the loss function holds the head (chunked cross-entropy)
+            return hidden
+        return top.lm_head(hidden)
 
 
 __all__ = [

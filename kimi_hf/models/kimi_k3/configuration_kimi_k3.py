@@ -242,6 +242,8 @@ class KimiK3TextConfig(KimiHybridTextConfig):
             out["dtype"] = str(self.dtype).removeprefix("torch.")
         if self.experts_quantization_config is not None:
             out["quantization_config"] = dict(self.experts_quantization_config)
+        if self.loss_chunk_size is not None:  # a training setting of ours, not a released field: only when set
+            out["loss_chunk_size"] = self.loss_chunk_size
         return with_extra_attributes(self, out)
 
     def to_diff_dict(self) -> dict:

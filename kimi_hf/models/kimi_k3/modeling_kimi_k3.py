@@ -33,6 +33,7 @@ from .state_dict_kimi_k3 import (  # noqa: F401  (check_mxfp4_headers ... were d
     check_mxfp4_headers,
     k3_state_dict,
     load_k3_state_dict,
+    released_key_mapping,
     released_name,
 )
 
@@ -77,6 +78,8 @@ class KimiK3ForCausalLM(KimiHybridForCausalLM):
     config: KimiK3TextConfig
     config_class = KimiK3TextConfig
     text_model_class = KimiK3TextModel
+    # PEFT's key map for adapters saved in the release's names (PeftModel.from_pretrained reads it): text only
+    _checkpoint_conversion_mapping = released_key_mapping(text_only=True)
 
 
 class KimiK3ExpertsFormatMixin:
@@ -136,6 +139,9 @@ class KimiK3ForConditionalGeneration(KimiK3ExpertsFormatMixin, KimiHybridForCond
     config: KimiK3Config
     config_class = KimiK3Config
     model_class = KimiK3Model
+    # PEFT's key map for adapters saved in the release's names (kimi_hf.adapters_released): PeftModel.from_pretrained
+    # reads it (transformers' load_adapter maps them through the conversion mapping above)
+    _checkpoint_conversion_mapping = released_key_mapping()
 
     @classmethod
     def maybe_distribute_model(cls, model, distributed_config, mesh_manager):

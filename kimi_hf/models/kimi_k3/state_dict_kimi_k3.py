@@ -65,6 +65,26 @@ def released_name(name: str, sparse_layers: set[int]) -> tuple[str, tuple | None
     return released + rest, shape
 
 
+def released_key_mapping(text_only: bool = False) -> dict[str, str]:
+    """Kimi K3's released module names -> ours as PEFT's `key_mapping` (regex -> replacement, the first match
+    applied once, on a key without `base_model.model.`): what `PeftModel.from_pretrained` reads off a model's
+    `_checkpoint_conversion_mapping` to load an adapter saved in the release's names (kimi_hf.adapters_released).
+    Every pattern is anchored at a released top-level name, which none of ours starts with, so an adapter in our own
+    names loads unchanged. text_only: for KimiK3ForCausalLM (`model.*`, `lm_head.*`), which has no vision tower."""
+    prefixes = dict(K3_PREFIXES)
+    if text_only:
+        prefixes = {_LANGUAGE_MODEL: "model.", K3_PREFIXES[1][0]: "lm_head."}
+    mapping = {}
+    if "vision_tower." in prefixes:  # the tower's MoonViT renames, whole (the first match is the only one)
+        for src, tgt in rename_pairs(MOONVIT_NAMES):
+            mapping["^" + re.escape("vision_tower.") + src.removeprefix("^")] = prefixes["vision_tower."] + tgt
+    # a MoE layer's block: renamed with its prefix
+    moe = "^" + re.escape(_LANGUAGE_MODEL) + r"layers\.(\d+)\." + re.escape(MOE_BLOCK[0] + ".")
+    mapping[moe] = prefixes[_LANGUAGE_MODEL] + rf"layers.\1.{MOE_BLOCK[1]}."
+    mapping.update({"^" + re.escape(released): ours for released, ours in prefixes.items()})
+    return mapping
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A tensor- / expert-parallel parameter (DTensor) gathered whole (a collective: every rank calls it, in the
     state dict's order); a plain tensor as it is."""
@@ -346,5 +366,6 @@ __all__ = [
     "check_mxfp4_headers",
     "k3_state_dict",
     "load_k3_state_dict",
+    "released_key_mapping",
     "released_name",
 ]

@@ -15,6 +15,7 @@ PUBLIC = (
     "check_mxfp4_headers",
     "k3_state_dict",
     "load_k3_state_dict",
+    "released_key_mapping",
     "released_name",
 )
 

@@ -97,40 +97,24 @@ def refuse(error: Exception, printer: str | None = None):
 
 
 def check_files(args):
-    """The folders, before any expensive work: --model (`kimi_hf.model_folder.check_model_folder`: its config.json
-    and every safetensors header against its file's size), its tokenizer for --data stdlib, --checkpoint-dir's steps
-    for --resume, the --export folder rank 0 will write (new, or --overwrite). Returns the model's config."""
-    from kimi_hf.distributed.parallelize import MODEL_TYPES, read_config
-    from kimi_hf.model_folder import check_model_folder
+    """The folders, before any expensive work (kimi_hf.finetune.cli.check_folders: --model, --resume's checkpoint,
+    the --export folder rank 0 will write), and a tokenizer for --data stdlib. Returns the model's config."""
+    from kimi_hf.finetune.cli import check_folders
 
-    check_model_folder(args.model, what="--model", model_types=MODEL_TYPES)  # the models the trainer runs
-    config = read_config(args.model)  # kimi_hf's classes, never the folder's code
+    config = check_folders(args)
     if args.data == "stdlib" and not any(
         os.path.isfile(os.path.join(args.model, f)) for f in ("tokenizer.json", "tokenizer_config.json")
     ):
         raise ValueError(f"--data stdlib needs a tokenizer in --model {args.model}; use --data random")
-    if args.resume:
-        from kimi_hf.distributed.checkpoint import checkpoint_steps
-
-        if not checkpoint_steps(args.checkpoint_dir):
-            raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint (step-N folder) to resume from")
-    if args.export and os.environ.get("RANK", "0") == "0":
-        from kimi_hf.distributed.export import check_export_dir
-
-        check_export_dir(args.export, args.model, args.checkpoint_dir, args.overwrite)
     return config
 
 
 def check_layout(args, config, world: int):
-    """The layout of the flags on `world` ranks (`ParallelDims.for_model`: every size and rule, the sequence over
-    --cp; --fsdp left out is what the others leave), refused with the flag that makes it run, and the batch over the
-    data ranks. Returns the ParallelDims."""
-    from kimi_hf.distributed import ParallelDims
+    """The layout of the flags on `world` ranks, refused with the flag that makes it run, and the batch over the data
+    ranks (kimi_hf.finetune.cli.check_layout). Returns the ParallelDims."""
+    from kimi_hf.finetune.cli import check_layout
 
-    sizes = {n: getattr(args, n) for n in ("tp", "ep", "pp", "cp", "fsdp")}
-    layout = ParallelDims.for_model(world, config.get_text_config(), seq_len=args.seq_len, **sizes)
-    layout.check_batch(args.micro_batches, args.schedule)
-    return layout
+    return check_layout(args, config, world, args.schedule)
 
 
 # ---- data and the loop -------------------------------------------------------------------------------------------

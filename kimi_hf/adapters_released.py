@@ -128,6 +128,8 @@ def released_adapter_state_dict(state_dict: dict[str, torch.Tensor], config) -> 
     for key, tensor in state_dict.items():
         if not key.startswith(_PEFT_PREFIX):
             raise ValueError(f"{key}: not a PEFT LoRA key (expected the {_PEFT_PREFIX!r} prefix)")
+        if "trainable_tokens" in key:  # (saved as ...token_adapter.trainable_tokens_delta: no "lora_" part)
+            raise ValueError(f"{key}: trainable tokens have no released form; merge the adapter to serve it")
         module, rest = _split_key(key[len(_PEFT_PREFIX) :])
         if not rest.startswith("lora_"):
             what = "an embedding's base weight (a resized vocabulary)" if rest else "a whole module (modules_to_save)"
@@ -135,8 +137,6 @@ def released_adapter_state_dict(state_dict: dict[str, torch.Tensor], config) -> 
                 f"{key}: {what} has no place in a LoRA adapter served in the release's names; merge the adapter "
                 "(merge_and_unload + save_pretrained) to serve it"
             )
-        if "trainable_tokens" in rest:
-            raise ValueError(f"{key}: trainable tokens have no released form; merge the adapter to serve it")
         try:
             owner = module.rpartition(".")[2]
             released = namer.module(module)
@@ -236,13 +236,7 @@ def _adapted_modules(model, adapter_name: str) -> dict[str, tuple[int, float]]:
 
     found = {}
     for name, module in _base_model(model).named_modules():
-        if isinstance(module, LoraLayer) and adapter_name in module.r:
-            if module.__class__.__name__ == "ParamWrapper":
-                raise ValueError(
-                    f"{name}: LoRA over its parameters (target_parameters) has no released form: the release stores "
-                    "the routed experts one by one (experts.E.w1 / w3 / w2); adapt their LatentMoE bridges "
-                    "(routed_expert_up_proj / routed_expert_down_proj) instead, as K3_LORA_TARGET_MODULES does"
-                )
+        if isinstance(module, LoraLayer) and adapter_name in module.r:  # (target_parameters: refused by the caller)
             found[_our_name(name)] = (module.r[adapter_name], module.lora_alpha[adapter_name])
     if not found:
         raise ValueError(f"the model carries no LoRA adapter named {adapter_name!r}")

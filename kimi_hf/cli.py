@@ -20,7 +20,7 @@ import subprocess
 import sys
 
 from . import __version__
-from .cli_args import ArgumentParser
+from .cli_args import ArgumentParser, one_line
 
 
 PROG = "kimi-hf"
@@ -216,10 +216,6 @@ def run(argv: list[str] | None = None):
     return COMMANDS[name](argv[1:])
 
 
-def _one_line(e: BaseException) -> str:
-    return " ".join(str(e).split()) or type(e).__name__
-
-
 def main(argv: list[str] | None = None) -> int:
     """The console script: runs a command and returns its exit status (0 success, 1 a failed command or a `plan`
     that does not fit, 2 a usage error, 130 interrupted); errors are printed on one line to stderr as
@@ -229,12 +225,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # argparse (help: 0, usage: 2), a benchmark's status, or a message
         if e.code is None or isinstance(e.code, int):
             return e.code or 0
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 1
     except USER_ERRORS as e:
         if os.environ.get("KIMI_HF_TRACEBACK"):
             raise
-        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+        print(f"{PROG}: error: {one_line(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)

@@ -53,6 +53,11 @@ def check_output_folder(path: str | None, flag: str = "--out") -> None:
         raise NotADirectoryError(f"{flag} {path!r} is a file, not a folder")
 
 
+def one_line(error: BaseException) -> str:
+    """An exception's message on one line (its type's name when it has none)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 PRINTER_GRACE_S = 30  # how long the silent ranks of a refusal wait for the printing one (then exit all the same)
 
 
@@ -66,7 +71,7 @@ def refuse(error: BaseException, prog: str, printer: str | None = None):
     if os.environ.get("KIMI_HF_TRACEBACK"):
         raise error
     if printer is None or os.environ.get(printer, "0") == "0":
-        print(f"{prog}: error: {' '.join(str(error).split())}", file=sys.stderr, flush=True)
+        print(f"{prog}: error: {one_line(error)}", file=sys.stderr, flush=True)
     else:
         import time
 
@@ -74,4 +79,4 @@ def refuse(error: BaseException, prog: str, printer: str | None = None):
     raise SystemExit(2) from None
 
 
-__all__ = ["ArgumentParser", "check_output_folder", "check_positive", "layer_count", "refuse", "size"]
+__all__ = ["ArgumentParser", "check_output_folder", "check_positive", "layer_count", "one_line", "refuse", "size"]

@@ -16,11 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _is_dtensor(tensor) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
+from ..models.kimi_hybrid.modeling_kimi_hybrid_multimodal import _is_dtensor
 
 
 @torch.no_grad()

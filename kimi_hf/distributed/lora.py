@@ -15,6 +15,8 @@ import zlib
 import torch
 from torch import nn
 
+from ..models.kimi_hybrid.modeling_kimi_hybrid_multimodal import _is_dtensor
+
 
 @torch.no_grad()
 def init_lora_by_name(model: nn.Module, seed: int) -> int:
@@ -34,14 +36,6 @@ def init_lora_by_name(model: nn.Module, seed: int) -> int:
             p.copy_(fresh)
             count += 1
     return count
-
-
-def _is_dtensor(tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:
-        return False
-    return isinstance(tensor, DTensor)
 
 
 def _data_parallel_engine_grad(grad) -> bool:

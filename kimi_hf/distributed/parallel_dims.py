@@ -127,7 +127,8 @@ class ParallelDims:
         )
 
     def flags(self) -> list[str]:
-        """The trainer's flags of this layout: sizes of 1 left out, and fsdp when it is what the others leave."""
+        """The trainer's flags of this layout: sizes of 1 left out, and --fsdp only when it is not what the others
+        leave (`resolve` without it gives another layout)."""
         out = []
         for name in ("tp", "ep", "pp", "cp"):
             if getattr(self, name) > 1:

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..models.kimi_hybrid.pipeline_kimi_hybrid import _top  # the model under PEFT's wrapper
 from .parallel_dims import ParallelDims
 
 
@@ -119,11 +120,6 @@ def _prepare(model, config, lora, seed: int, gradient_checkpointing: bool):
     return model.train()
 
 
-def _top(model) -> nn.Module:
-    """The model under PEFT's wrapper (which holds lm_head)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def parallelize(
     folder: str,
     dims: ParallelDims,
@@ -156,7 +152,10 @@ def parallelize(
         raise ValueError(f"{folder}: model_type {config.model_type!r} is not one this trainer runs ({MODEL_TYPES})")
     device = device if device is not None else torch.device("cpu")
     if loss_chunk_size is not None:
-        config.get_text_config().loss_chunk_size = loss_chunk_size  # validated by the config's field
+        from ..ops.chunked_cross_entropy import check_chunk_size
+
+        check_chunk_size(loss_chunk_size, "loss_chunk_size")  # (assigning the config's field checks nothing)
+        config.get_text_config().loss_chunk_size = loss_chunk_size
     rank = ParallelModel(
         dims, config, None, None, device, lora is not None, micro_batch=micro_batch, micro_batches=micro_batches
     )

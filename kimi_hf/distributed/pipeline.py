@@ -162,13 +162,18 @@ class CausalLMLoss:
                 "CausalLMLoss takes head and chunk_size together (the chunked loss on the last stage's hidden "
                 f"states) or neither (the loss on its logits); got head={type(head).__name__}, chunk_size={chunk_size!r}"
             )
-        if chunk_size is not None and (
-            isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1
-        ):
-            raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+        if chunk_size is not None:
+            from ..ops.chunked_cross_entropy import check_chunk_size
+
+            check_chunk_size(chunk_size)
         self.vocab_size, self.num_items, self.grad_divide = vocab_size, num_items, grad_divide
         self.shifted = shifted
         self.head, self.chunk_size = head, chunk_size
+
+    @property
+    def num_items_in_batch(self) -> float:
+        """transformers' `num_items_in_batch` of this loss: the step's label tokens over `grad_divide`."""
+        return self.num_items / self.grad_divide
 
     def __call__(
         self, output: torch.Tensor, labels: torch.Tensor | None, shift_labels: torch.Tensor | None = None
@@ -182,7 +187,7 @@ class CausalLMLoss:
 
         if self.shifted and shift_labels is None:
             labels, shift_labels = None, labels
-        num_items = self.num_items / self.grad_divide
+        num_items = self.num_items_in_batch
         if self.head is None:
             if output.shape[-1] != self.vocab_size:
                 raise ValueError(

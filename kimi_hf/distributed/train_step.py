@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from ..collators import IGNORE_INDEX
 from .parallelize import ParallelModel
-
-
-IGNORE_INDEX = -100
 
 
 def label_tokens(labels: torch.Tensor) -> int:
@@ -37,6 +35,22 @@ def local_rows(rank: ParallelModel, tensor: torch.Tensor) -> torch.Tensor:
     return tensor[batch * rows : (batch + 1) * rows]
 
 
+def _local_batch(rank: ParallelModel, batch: dict[str, torch.Tensor]):
+    """(input_ids, labels, position_ids or None) of this rank's rows, and the label tokens of the whole batch."""
+    if "input_ids" not in batch:
+        raise ValueError("batch: needs input_ids [rows, T]")
+    ids = batch["input_ids"]
+    labels = batch.get("labels", ids)
+    positions = batch.get("position_ids")
+    if ids.shape[0] != rank.micro_batches * rank.micro_batch:
+        raise ValueError(
+            f"batch: {ids.shape[0]} rows, but the step is --micro-batches {rank.micro_batches} x --micro-batch "
+            f"{rank.micro_batch}"
+        )
+    local = local_rows(rank, ids), local_rows(rank, labels)
+    return (*local, local_rows(rank, positions) if positions is not None else None), label_tokens(labels)
+
+
 def train_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """Forward and backward of this rank's share of the step's global batch: input_ids [rows, T], labels [rows, T]
     (default: input_ids; -100 not trained), position_ids [rows, T] (optional: packed documents restart at 0).
@@ -46,20 +60,8 @@ def train_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Ten
     from .lora import average_unsharded_grads
     from .pipeline import CausalLMLoss
 
-    if "input_ids" not in batch:
-        raise ValueError("batch: needs input_ids [rows, T]")
-    ids = batch["input_ids"]
-    labels = batch.get("labels", ids)
-    positions = batch.get("position_ids")
     dims = rank.dims
-    if ids.shape[0] != rank.micro_batches * rank.micro_batch:
-        raise ValueError(
-            f"batch: {ids.shape[0]} rows, but the step is --micro-batches {rank.micro_batches} x --micro-batch "
-            f"{rank.micro_batch}"
-        )
-    num_items = label_tokens(labels)
-    local_ids, local_labels = local_rows(rank, ids), local_rows(rank, labels)
-    local_positions = local_rows(rank, positions) if positions is not None else None
+    (local_ids, local_labels, local_positions), num_items = _local_batch(rank, batch)
     context = rank.groups.get("context")
     if rank.schedule is not None:
         rank.loss_fn.num_items = num_items
@@ -110,8 +112,7 @@ def _micro_batch_losses(rank: ParallelModel, ids, labels, positions, loss_fn):
             mb_labels, shifted = None, part["shift_labels"]
         if rank.config.get_text_config().loss_chunk_size is not None:  # the model's chunked head + loss
             kwargs = {"labels": mb_labels if shifted is None else shifted, "shift_labels": shifted}
-            num_items = loss_fn.num_items / loss_fn.grad_divide
-            yield rank.module(**inputs, **kwargs, num_items_in_batch=num_items, use_cache=False).loss
+            yield rank.module(**inputs, **kwargs, num_items_in_batch=loss_fn.num_items_in_batch, use_cache=False).loss
         else:
             logits = rank.module(**inputs, use_cache=False).logits
             yield loss_fn(logits, mb_labels, shifted)
@@ -126,31 +127,17 @@ def eval_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Tens
 
     if rank.schedule is not None:
         raise ValueError("evaluation under pipeline stages is not in this version: evaluate without --pp")
-    ids = batch["input_ids"]
-    labels = batch.get("labels", ids)
-    positions = batch.get("position_ids")
-    local_labels = local_rows(rank, labels)
+    (ids, labels, positions), _ = _local_batch(rank, batch)
     loss_fn = CausalLMLoss(rank.config.get_text_config().vocab_size, 1)  # summed over the tokens
     was_training = rank.model.training
     rank.model.eval()
     try:
-        total = sum(
-            (
-                loss.float()
-                for loss in _micro_batch_losses(
-                    rank,
-                    local_rows(rank, ids),
-                    local_labels,
-                    local_rows(rank, positions) if positions is not None else None,
-                    loss_fn,
-                )
-            ),
-            torch.zeros((), device=rank.device),
-        )
+        losses = _micro_batch_losses(rank, ids, labels, positions, loss_fn)
+        total = sum((loss.float() for loss in losses), torch.zeros((), device=rank.device))
     finally:
         rank.model.train(was_training)
     # this rank's tokens: under cp its slice's shifted labels; the cp ranks' slices add up to the rows'
-    tokens = label_tokens(local_labels) / rank.dims.cp
+    tokens = label_tokens(labels) / rank.dims.cp
     return torch.stack([total, torch.tensor(float(tokens), device=rank.device)])
 
 

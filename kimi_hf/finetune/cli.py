@@ -138,44 +138,59 @@ def parse_args(argv=None, prog: str = PROG):
     return args
 
 
-def check(args, world: int):
-    """Everything before the model: the folder, the layout, the batch, the data (read, checked and tokenized), the
-    output folders. Returns (config, ParallelDims, train source, eval source or None)."""
-    import torch
-
-    from ..distributed import ParallelDims
+def check_folders(args):
+    """The folders, before any expensive work: --model (`check_model_folder`: its config.json and every safetensors
+    header against its file's size), --checkpoint-dir's steps for --resume, and on rank 0 the folders it will write
+    (--export, --save-adapter: new, or --overwrite) and --log-dir's TensorBoard. Returns the model's config (read
+    with kimi_hf's classes, never the folder's code). `examples/k3_finetune.py` checks its flags with it too."""
     from ..distributed.parallelize import MODEL_TYPES, read_config
     from ..model_folder import check_model_folder
 
     check_model_folder(args.model, what="--model", model_types=MODEL_TYPES)
     config = read_config(args.model)
-    sizes = {n: getattr(args, n) for n in SIZES}
-    dims = ParallelDims.for_model(world, config.get_text_config(), seq_len=args.seq_len, **sizes)
-    if args.micro_batches is None:  # one micro-batch a rank that sees its own batch (1F1B: pp of them)
-        args.micro_batches = dims.batch_ranks * (dims.pp if dims.pp > 1 and args.pipeline_schedule == "1f1b" else 1)
-    dims.check_batch(args.micro_batches, args.pipeline_schedule)
-    if args.dtype == "auto":
-        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    if args.eval_data and dims.pp > 1:
-        raise ValueError("--eval-data with --pp: evaluation under pipeline stages is not in this version")
     if args.resume:
         from ..distributed.checkpoint import checkpoint_steps
 
         if not checkpoint_steps(args.checkpoint_dir):
             raise ValueError(f"--checkpoint-dir {args.checkpoint_dir}: no checkpoint (step-N folder) to resume from")
     if os.environ.get("RANK", "0") == "0":
-        if args.export:
-            from ..distributed.export import check_export_dir
+        from ..distributed.export import check_export_dir
 
-            check_export_dir(args.export, args.model, args.checkpoint_dir, overwrite=bool(args.overwrite))
-        if args.save_adapter:
-            from ..distributed.export import check_export_dir
-
-            check_export_dir(args.save_adapter, args.model, args.checkpoint_dir, overwrite=bool(args.overwrite))
-        if args.log_dir:
+        for out in (args.export, getattr(args, "save_adapter", None)):
+            if out:
+                check_export_dir(out, args.model, args.checkpoint_dir, overwrite=bool(args.overwrite))
+        if getattr(args, "log_dir", None):
             from .metrics import check_tensorboard
 
             check_tensorboard(args.log_dir)
+    return config
+
+
+def check_layout(args, config, world: int, pipeline_schedule: str):
+    """The layout of the flags on `world` ranks (`ParallelDims.for_model`: every size and rule, the sequence over
+    --cp; --fsdp left out is what the others leave), refused with the flag that makes it run; --micro-batches left
+    out is one a rank that sees its own batch (1F1B: pp of them); the batch over the data ranks. Returns the dims."""
+    from ..distributed import ParallelDims
+
+    sizes = {n: getattr(args, n) for n in SIZES}
+    dims = ParallelDims.for_model(world, config.get_text_config(), seq_len=args.seq_len, **sizes)
+    if args.micro_batches is None:
+        args.micro_batches = dims.batch_ranks * (dims.pp if dims.pp > 1 and pipeline_schedule == "1f1b" else 1)
+    dims.check_batch(args.micro_batches, pipeline_schedule)
+    return dims
+
+
+def check(args, world: int):
+    """Everything before the model: the folders, the layout, the batch, the data (read, checked and tokenized).
+    Returns (config, ParallelDims, train source, eval source or None)."""
+    import torch
+
+    config = check_folders(args)
+    dims = check_layout(args, config, world, args.pipeline_schedule)
+    if args.dtype == "auto":
+        args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
+    if args.eval_data and dims.pp > 1:
+        raise ValueError("--eval-data with --pp: evaluation under pipeline stages is not in this version")
     train, held_out = sources(args, config)
     return config, dims, train, held_out
 
@@ -198,7 +213,19 @@ def sources(args, config):
         data = load_sft_rows(path, name=f"{flag} {path}")
         docs = tokenize_sft_rows(data, tokenizer)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return PackedDataset(docs, args.seq_len, strategy=args.packing, seed=args.seed, pad_id=pad, shuffle=shuffle)
+        packed = PackedDataset(docs, args.seq_len, strategy=args.packing, seed=args.seed, pad_id=pad, shuffle=shuffle)
+        lost = [
+            f"{n} {what}"
+            for n, what in (
+                (packed.truncated, f"cut to --seq-len {args.seq_len}"),
+                (packed.dropped, "left out (no token to train on within --seq-len)"),
+                (docs.skipped, "rows with nothing to train on, skipped"),
+            )
+            if n
+        ]
+        if lost and os.environ.get("RANK", "0") == "0":  # said, not silent (stderr: stdout is the JSON lines)
+            print(f"{PROG}: {flag} {path}: {len(docs)} documents; {', '.join(lost)}", file=sys.stderr)
+        return packed
 
     train = packed(args.data, "--data", shuffle=True)
     held_out = packed(args.eval_data, "--eval-data", shuffle=False) if args.eval_data else None

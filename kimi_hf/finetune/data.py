@@ -46,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cli_args import one_line
 from ..collators import IGNORE_INDEX
 from ..models.kimi_k3.chat_template_kimi_k3 import has_k3_markup, normalize_k3_messages
 
@@ -133,7 +134,7 @@ def _read(source, name: str):
             except TypeError:  # older datasets: no such option
                 return datasets.Dataset.from_list(source), name or "rows"
         except Exception as e:  # pyarrow cannot give a column one type (a string here, a list there)
-            raise SFTDataError(name or "rows", f"cannot make a dataset of the rows: {_line(e)}") from None
+            raise SFTDataError(name or "rows", f"cannot make a dataset of the rows: {one_line(e)}") from None
     if not isinstance(source, (str, os.PathLike)):
         raise SFTDataError(name or repr(source), "expected a file, a folder, a datasets.Dataset or a list of rows")
     path = os.fspath(source)
@@ -159,7 +160,7 @@ def _read_path(path: str, name: str, datasets):
         try:
             ds = datasets.load_from_disk(path)
         except (FileNotFoundError, ValueError) as e:
-            raise SFTDataError(name, f"not a folder written by Dataset.save_to_disk ({_line(e)})") from None
+            raise SFTDataError(name, f"not a folder written by Dataset.save_to_disk ({one_line(e)})") from None
         if isinstance(ds, datasets.DatasetDict):
             if "train" not in ds and len(ds) != 1:
                 raise SFTDataError(name, f"a DatasetDict folder with splits {sorted(ds)} and no 'train'")
@@ -178,12 +179,7 @@ def _read_path(path: str, name: str, datasets):
         cause = e.__cause__ or e
         if "corresponds to no data" in str(cause):  # a JSON file holding []
             raise SFTDataError(name, "the dataset is empty") from None
-        raise SFTDataError(name, f"cannot read it as {ext[1:]}: {_line(cause)}") from None
-
-
-def _line(e: BaseException) -> str:
-    """An exception's message on one line."""
-    return " ".join(str(e).split()) or type(e).__name__
+        raise SFTDataError(name, f"cannot read it as {ext[1:]}: {one_line(cause)}") from None
 
 
 def _format_of(columns: list[str], name: str) -> str:
@@ -478,7 +474,9 @@ def tokenize_sft_rows(data: SFTData, tokenizer, *, chat_template_kwargs: dict | 
             raise SFTDataError(data.source, e.problem, data.row_number(i), e.field) from None
         except Exception as e:  # the template's raise_exception (jinja2's TemplateError) and the like
             field = "messages" if data.format == "messages" else None
-            raise SFTDataError(data.source, f"the chat template failed: {_line(e)}", data.row_number(i), field) from e
+            raise SFTDataError(
+                data.source, f"the chat template failed: {one_line(e)}", data.row_number(i), field
+            ) from e
         ids = np.asarray(ids, dtype=np.int64)
         labels = np.where(trained, ids, IGNORE_INDEX)
         labels[0] = IGNORE_INDEX  # a document's first token: nothing in the document predicts it

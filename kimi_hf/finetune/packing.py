@@ -31,7 +31,7 @@ shuffled by a generator seeded with (seed, e) before packing (bfd: the order amo
 the rows are shuffled after; the number of rows per epoch is the same for every epoch. Global row g is row g % R of
 epoch g // R (R rows an epoch), and global_batch(step, rows) is rows [step * rows, (step + 1) * rows): a pure
 function of step, so a run resumes at a step with nothing saved, and is the same whatever the data ranks' layout
-(local_batch(step, rows, rank, world) is its rows rank, rank + world, ...).
+(kimi_hf.distributed.train_step splits it over them).
 """
 
 from __future__ import annotations
@@ -220,13 +220,6 @@ class PackedDataset:
         {"input_ids", "labels", "position_ids"}: [rows, T] int64. Pass them to the model as they are (no
         attention_mask)."""
         return self._batch(range(step * rows, (step + 1) * rows))
-
-    def local_batch(self, step: int, rows: int, rank: int = 0, world: int = 1) -> dict[str, torch.Tensor]:
-        """Data rank `rank`'s share of global_batch(step, rows): its rows rank, rank + world, ... ([rows // world,
-        T] each; rows must be divisible by world). Only those rows are built."""
-        if rows % world:
-            raise ValueError(f"rows {rows} is not divisible by the {world} data ranks")
-        return self._batch(range(step * rows + rank, (step + 1) * rows, world))
 
     def epoch(self, step: int, rows: int) -> float:
         """The epochs done before batch `step` (a fraction)."""

@@ -58,6 +58,11 @@ def make_optimizer(options: Options, rank):
     return torch.optim.AdamW(trainable, lr=options.lr, weight_decay=0.1)
 
 
+def _due(done: int, every: int, steps: int) -> bool:
+    """After `done` steps: the last step, or every `every` steps (0: the last only)."""
+    return done == steps or bool(every and done % every == 0)
+
+
 def evaluate(rank, source, rows: int) -> float:
     """The mean loss over the held-out rows (one epoch, in order; every rank runs the same batches)."""
     from ..distributed.train_step import eval_step
@@ -125,13 +130,9 @@ def finetune(options: Options, config, dims, train_source, eval_source=None) -> 
             losses.append(loss.item())
             metrics.step(step, losses[-1], lr, norm)
             done = step + 1
-            if eval_source is not None and (
-                done == options.steps or (options.eval_every and done % options.eval_every == 0)
-            ):
+            if eval_source is not None and _due(done, options.eval_every, options.steps):
                 metrics.eval(step, evaluate(rank, eval_source, rows))
-            if options.checkpoint_dir and (
-                done == options.steps or (options.save_every and done % options.save_every == 0)
-            ):
+            if options.checkpoint_dir and _due(done, options.save_every, options.steps):
                 save_checkpoint(options.checkpoint_dir, state, done)
         if options.save_adapter:
             save_adapter(options, rank, rank_id, world)

@@ -137,9 +137,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         return (dh.to(hidden.dtype) if need_hidden else None), dw, None, None, None, None, None
 
 
-def _check_chunk_size(chunk_size) -> None:
+def check_chunk_size(chunk_size, name: str = "chunk_size") -> None:
+    """ValueError naming `name` unless chunk_size is a positive int (a number of tokens; not a bool)."""
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive number of tokens, got {chunk_size!r}")
+        raise ValueError(f"{name} must be a positive number of tokens, got {chunk_size!r}")
 
 
 def _check_targets(targets: torch.Tensor, vocab_size: int, ignore_index: int) -> None:
@@ -186,7 +187,7 @@ def linear_cross_entropy(
     """F.cross_entropy(F.linear(hidden, weight).float(), targets, ignore_index=, reduction=) without the logits:
     hidden [N, d], weight [V, d] (or a DTensor of its rows sharded over a tensor-parallel mesh), targets [N] int.
     "mean" divides by the counted targets (nan when none is, as F.cross_entropy). Returns an fp32 scalar."""
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     if reduction not in REDUCTIONS:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
     if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
@@ -217,7 +218,7 @@ def module_cross_entropy(
     """The summed cross-entropy of head(hidden) [N, V] over targets [N], `chunk_size` rows at a time, each chunk
     under activation checkpointing (its logits recomputed in the backward): for any head module (PEFT-wrapped,
     biased, ...). Its parameters' gradients are summed by autograd, in their own dtype."""
-    _check_chunk_size(chunk_size)
+    check_chunk_size(chunk_size)
     total = None
     for i in range(0, hidden.shape[0], chunk_size):
         part = checkpoint(
@@ -267,6 +268,11 @@ def chunked_causal_lm_loss(
         raise ValueError(
             f"labels of {tuple(shift_labels.shape)} for hidden states of {tuple(hidden_states.shape)}: one label a token"
         )
+    if num_items_in_batch is None:
+        num_items_in_batch = (targets != ignore_index).sum()
+    if hidden.device.type != "meta":  # only the counted tokens go through the head (SFT masks most prompts);
+        keep = targets != ignore_index  # the meta trace of a memory plan keeps every token (no values to select)
+        hidden, targets = hidden[keep], targets[keep]
     if _is_plain_linear(head):
         hidden = hidden.to(head.weight.device)  # a model split over devices may end on another one than its head
         targets = targets.to(hidden.device)
@@ -275,8 +281,6 @@ def chunked_causal_lm_loss(
         )
     else:
         loss = module_cross_entropy(hidden, head, targets, chunk_size=chunk_size, ignore_index=ignore_index)
-    if num_items_in_batch is None:
-        return loss / (targets != ignore_index).sum()
     if torch.is_tensor(num_items_in_batch):
         num_items_in_batch = num_items_in_batch.to(loss.device)
     return loss / num_items_in_batch
@@ -284,6 +288,7 @@ def chunked_causal_lm_loss(
 
 __all__ = [
     "LinearCrossEntropyFunction",
+    "check_chunk_size",
     "chunked_causal_lm_loss",
     "linear_cross_entropy",
     "module_cross_entropy",

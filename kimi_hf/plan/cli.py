@@ -107,10 +107,7 @@ def launch_command(plan, model: str) -> str | None:
     args += ["--optimizer", plan.optimizer]
     if plan.checkpointing:
         args.append("--gradient-checkpointing")
-    if plan.loss_chunk_size is None:
-        args += ["--loss-chunk-size", "0"]
-    elif plan.loss_chunk_size != 1024:
-        args += ["--loss-chunk-size", str(plan.loss_chunk_size)]
+    args += ["--loss-chunk-size", str(plan.loss_chunk_size or 0)]  # the planned one, whatever finetune's default
     return f"{launch} $(which kimi-hf) finetune {' '.join(args)}"
 
 
@@ -195,14 +192,16 @@ def suggest(planner, gpu_memory, headroom: float, max_pp: int = 1, max_cp: int =
     for layout in candidate_layouts(planner.text, max_pp, max_cp=max_cp if planner.task != "infer" else 1):
         by_count.setdefault(layout.world, []).append(layout)
     for _, layouts in sorted(by_count.items()):
+        runnable = []
+        for layout in layouts:  # the checks that do not depend on checkpointing, once
+            try:
+                layout.check(planner.text, seq_len=seq_len)
+            except ValueError:  # e.g. tp not dividing the heads: not a layout the trainer runs
+                continue
+            if planner.static_bytes(layout) <= usable:
+                runnable.append(layout)
         for option in planners:
-            for layout in layouts:
-                try:
-                    layout.check(planner.text, seq_len=seq_len)
-                except ValueError:  # e.g. tp not dividing the heads: not a layout the trainer runs
-                    continue
-                if planner.static_bytes(layout) > usable:
-                    continue
+            for layout in runnable:
                 plan = option.plan(layout, gpu_memory, headroom)
                 if plan.fits:
                     return plan

@@ -387,8 +387,10 @@ class Planner:
         if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"--dtype must be bfloat16, float16 or float32, got {dtype}")
         self.task, self.optimizer, self.dtype = task, optimizer, dtype
-        if loss_chunk_size is not None and (not isinstance(loss_chunk_size, int) or loss_chunk_size < 1):
-            raise ValueError(f"--loss-chunk-size must be a positive integer (or 0: off), got {loss_chunk_size!r}")
+        if loss_chunk_size is not None:
+            from ..ops.chunked_cross_entropy import check_chunk_size
+
+            check_chunk_size(loss_chunk_size, "--loss-chunk-size")
         self.loss_chunk_size = loss_chunk_size if task != "infer" else None
         self.seq_len, self.micro_batch, self.checkpointing, self.lora_rank = (
             seq_len,

@@ -108,7 +108,7 @@ def k3_state_dict(
     state_dict: the model's tensors under its own names (default `model.state_dict()`; Trainer passes its own, e.g.
     accelerate's gathered FSDP state dict)."""
     if saved_experts not in SAVED_EXPERTS:
-        raise ValueError(f"saved_experts must be 'mxfp4', 'dense' or 'lossless', got {saved_experts!r}")
+        raise ValueError(f"saved_experts must be one of {SAVED_EXPERTS}, got {saved_experts!r}")
     if saved_experts == "lossless":
         try:
             return _k3_state_dict(model, "exact", state_dict)

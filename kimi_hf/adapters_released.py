@@ -59,6 +59,9 @@ _K3_TYPES = ("kimi_k3", "kimi_k3_text")
 _TEXT_ONLY_PREFIX = ("model.", "model.language_model.")
 # PEFT's modules inside an adapted module (not modules of the model)
 _PEFT_PARTS = ("base_layer", "original_module", "modules_to_save")
+# the parts of a state-dict key that PEFT saves with an adapter (LoRA's factors and magnitudes, whole-module copies,
+# trainable tokens), which `adapter_tensors` keeps
+_ADAPTER_PARTS = (".lora_", ".modules_to_save.", ".trainable_tokens_")
 
 
 def _config(config_or_model):
@@ -308,6 +311,25 @@ def _write_adapter(out_dir: str, tensors: dict[str, torch.Tensor], config: dict,
     return out_dir
 
 
+def adapter_tensors(model, adapter_name: str = "default") -> dict[str, torch.Tensor]:
+    """One adapter's tensors as PEFT saves them (`base_model.model.<module>.lora_A.weight`, no adapter name), whole and
+    on the CPU, on every rank of a sharded model.
+
+    Only the adapter's tensors are gathered: PEFT's `get_peft_model_state_dict` of a model sharded at load by
+    transformers' DistributedConfig (any of TP / EP / FSDP2) gathers every DTensor of the state dict first, the
+    whole base model included, on every rank. Here the state dict is cut to the adapters' entries (`.lora_` parts,
+    DoRA's magnitudes) before PEFT sees it. Under tensor parallelism the adapters are DTensors and their gathering
+    is a collective: then every rank calls this."""
+    from peft import get_peft_model_state_dict
+
+    # FSDP2's state_dict: shards, no communication; PEFT's own tensors only (not `base_layer` nor the base model's)
+    ours = {k: v for k, v in model.state_dict().items() if any(p in k for p in _ADAPTER_PARTS)}
+    ours = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in ours.items()}
+    state = get_peft_model_state_dict(model, state_dict=ours, adapter_name=adapter_name, save_embedding_layers=False)
+    # an adapter injected by load_adapter / add_adapter has no PeftModel above it: PEFT's saved names all do
+    return {(k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k): t.detach().cpu() for k, t in state.items()}
+
+
 def save_released_adapter(
     model, out_dir: str, *, adapter_name: str = "default", base=None, overwrite: bool = False
 ) -> str:
@@ -318,21 +340,27 @@ def save_released_adapter(
     model: a PeftModel (or a K3 model with the adapter injected by `load_adapter` / `add_adapter`), or the path of an
     adapter folder saved by PEFT from one (then `base`: the base model's folder, config or model; default the
     adapter's base_model_name_or_path, whose config.json alone is read). out_dir: absent or empty, unless
-    overwrite=True. ValueError, naming the module, for what has no released form (see the module docstring)."""
-    if isinstance(model, (str, os.PathLike)):
+    overwrite=True. ValueError, naming the module, for what has no released form (see the module docstring).
+
+    Under torch.distributed, with a model (as with `save_pretrained`): every rank calls it, the adapter is gathered
+    (`adapter_tensors`), rank 0 writes, and the ranks return together."""
+    import torch.distributed as dist
+
+    folder = isinstance(model, (str, os.PathLike))
+    if folder:
         model = _meta_peft_model(os.fspath(model), base)
         adapter_name = "default"
-    _check_out_dir(out_dir, overwrite)
+    ranks = not folder and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    # checked on every rank before any gathering: a refusal is every rank's
     config = released_adapter_config(model, adapter_name)
-    state = getattr(model, "_released_adapter_state", None)  # a folder's tensors (_meta_peft_model)
-    if state is None:
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(model, adapter_name=adapter_name, save_embedding_layers=False)
-        # an adapter injected by load_adapter / add_adapter has no PeftModel above it: PEFT's saved names all do
-        state = {k if k.startswith(_PEFT_PREFIX) else _PEFT_PREFIX + k: t for k, t in state.items()}
-    tensors = released_adapter_state_dict(state, _base_model(model))
-    return _write_adapter(os.fspath(out_dir), tensors, config, overwrite)
+    _check_out_dir(out_dir, overwrite)
+    state = model._released_adapter_state if folder else adapter_tensors(model, adapter_name)
+    if not ranks or dist.get_rank() == 0:
+        tensors = released_adapter_state_dict(state, _base_model(model))
+        _write_adapter(os.fspath(out_dir), tensors, config, overwrite)
+    if ranks:
+        dist.barrier()
+    return os.fspath(out_dir)
 
 
 def _meta_peft_model(adapter_dir: str, base):
@@ -412,6 +440,7 @@ def merge_released_adapter(adapter_dir: str, model_dir: str, out_dir: str, *, ov
 __all__ = [
     "ADAPTER_CONFIG",
     "ADAPTER_WEIGHTS",
+    "adapter_tensors",
     "merge_released_adapter",
     "released_adapter_config",
     "released_adapter_factors",

@@ -172,11 +172,9 @@ def save_adapter(options: Options, rank, rank_id: int, world: int) -> None:
 def _full_adapter_state(rank) -> dict[str, torch.Tensor]:
     """The adapters' tensors under PEFT's names, whole on every rank (DTensors gathered: a collective). Under pp each
     stage holds its own layers' adapters: they are gathered from every stage onto every rank."""
-    from peft import get_peft_model_state_dict
+    from ..adapters_released import adapter_tensors
 
-    state = {}
-    for name, tensor in get_peft_model_state_dict(rank.model).items():
-        state[name] = (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu()
+    state = adapter_tensors(rank.model)
     if rank.stage is not None and dist.is_initialized():
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, state)

@@ -452,6 +452,9 @@ class KimiHybridConfig(PreTrainedConfig):
     """
 
     model_type = "kimi_hybrid"
+    # transformers' FSDP2 at load (DistributedConfig(fsdp_size=...)): one unit per decoder layer comes from the text
+    # model's config (language_model.layers.*); the multimodal class itself has no embed_tokens / layers / norm
+    base_model_fsdp_plan = {}
     sub_configs_defaults = {
         "text_config": SubConfigSpec(config_class=KimiHybridTextConfig),
         "vision_config": SubConfigSpec(config_class=KimiHybridVisionConfig),

@@ -195,6 +195,10 @@ class KimiHybridVisionConfig(PreTrainedConfig):
 
     model_type = "kimi_hybrid_vision"
     base_config_key = "vision_config"
+    # no FSDP2 units of its own under transformers' FSDP2 at load: the tower stays in the root unit, gathered by
+    # every rank at every step (a unit per vision layer all-gathers only on ranks whose batch has an image, and the
+    # collectives of ranks with and without images would not match; docs/parallelism.md)
+    base_model_fsdp_plan = {}
     default_rope_type = "axial"
 
     patch_size: int = 14

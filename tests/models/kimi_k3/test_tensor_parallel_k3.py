@@ -210,3 +210,26 @@ def test_multimodal_layout_checks():
         check_parallel_layout(text, model.tp_plan, DistributedConfig(tp_size=3), multimodal=True)
     with pytest.raises(ValueError, match="of the multimodal model"):
         check_parallel_layout(text, model.tp_plan, DistributedConfig(pp_size=2), multimodal=True)
+
+
+def test_fsdp_plan_is_one_unit_per_decoder_layer_with_the_tower_in_the_root():
+    """transformers' FSDP2 at load (DistributedConfig(fsdp_size=...)) shards what `fsdp_plan` names: the decoder's
+    layers one unit each (the embedding, the final norm), every rule naming a module; nothing of the vision tower, which
+    stays in the root unit (its own units would all-gather only on ranks whose batch has an image, and the ranks'
+    collectives would not match). The text-only class keeps transformers' default plan under `model.`."""
+    from kimi_hf import KimiK3ForCausalLM
+
+    with torch.device("meta"):
+        model = KimiK3ForConditionalGeneration(KimiK3Config(**tiny_k3_config()))
+        text = KimiK3ForCausalLM(KimiK3Config(**tiny_k3_config()).text_config)
+    prefix = "model.language_model."
+    assert model.fsdp_plan == {
+        prefix + "embed_tokens": "free_full_weight",
+        prefix + "layers.*": "free_full_weight",
+        prefix + "norm": "keep_full_weight",
+    }
+    assert set(text.fsdp_plan) == {"model.embed_tokens", "model.layers.*", "model.norm"}
+    for m in (model, text):
+        names = {n for n, _ in m.named_modules()}
+        for rule in m.fsdp_plan:
+            assert rule.replace("*", "0") in names, rule

@@ -1,0 +1,82 @@
+"""TRL's SFTTrainer with PEFT LoRA on a tiny released-layout K3 (resident MXFP4 experts), the HF-native path of
+`examples/k3_sft_trl.py`: the chats with tools rendered by K3's template, the loss on the assistant's tokens, packed
+rows (bfd, padding-free: positions restart per document), a held-out loss. Sharded at load by transformers'
+DistributedConfig, the per-step and held-out losses and the saved adapter (released names) equal one process's:
+EP 2 x FSDP2 2 under torchrun, FSDP2 2 under `accelerate launch`.
+
+In float64 (the model; its gates and decays stay fp32): in float32 the runs differ by 1-2e-5 after two steps at
+lr 2e-3, the gradients' summation order (one process accumulates 4 rows in turn, two ranks 2 each then all-reduce)
+amplified by the optimizer (Newton-Schulz maps every singular direction of the adapters' small gradients to one);
+in float64 they agree to 1e-7, so a layout that computed something else (an adapter not averaged, a row seen twice,
+a wrong loss divisor) shows at 1e-3."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from tests.distributed.launch import ROOT, free_port, run
+
+
+pytest.importorskip("trl")
+
+SCRIPT = str(ROOT / "examples" / "k3_sft_trl.py")
+REL = 1e-6
+ARGS = ["--steps", "3", "--eval-every", "2", "--lora-rank", "4", "--lr", "2e-3", "--dtype", "float64"]
+
+
+def sft(k3, chats, tmp_path, launcher: list[str], *args) -> tuple[dict, dict]:
+    """({"loss": {step: x}, "eval_loss": {step: x}} of rank 0's JSON lines, the saved adapter's tensors)."""
+    from safetensors.torch import load_file
+
+    adapter = tmp_path / "adapter"
+    cmd = [*launcher, SCRIPT, "--model", str(k3), "--data", str(chats["train"]), "--eval-data", str(chats["eval"])]
+    cmd += [*ARGS, "--out", str(tmp_path / "out"), "--save-adapter", str(adapter), *args]
+    out = run(cmd)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
+    got = {"loss": {}, "eval_loss": {}}
+    for line in out.stdout.splitlines():  # nothing else on stdout
+        row = json.loads(line)
+        key = "loss" if "loss" in row else "eval_loss"
+        assert set(row) == {"step", key}, line
+        got[key][row["step"]] = row[key]
+    return got, load_file(str(adapter / "adapter_model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def one_process(k3, chats, tmp_path_factory):
+    return sft(k3, chats, tmp_path_factory.mktemp("one"), [sys.executable])
+
+
+def test_one_process_trains_and_saves_the_adapter_in_the_released_names(one_process):
+    losses, adapter = one_process
+    assert sorted(losses["loss"]) == [0, 1, 2] and sorted(losses["eval_loss"]) == [1, 2]
+    # it learns, by far more than the layouts' bound below
+    assert losses["loss"][0] - losses["loss"][2] > 1e3 * REL * losses["loss"][0]
+    assert losses["eval_loss"][1] - losses["eval_loss"][2] > 1e3 * REL * losses["eval_loss"][1]
+    assert adapter and all(k.startswith("base_model.model.language_model.model.layers.") for k in adapter)
+    assert any(".block_sparse_moe.shared_experts." in k for k in adapter)  # the MoE layers' released names
+
+
+@pytest.mark.parametrize("layout", ["torchrun_ep2_fsdp2", "accelerate_fsdp2"])
+def test_sharded_at_load_matches_one_process(k3, chats, tmp_path, one_process, layout):
+    if layout == "torchrun_ep2_fsdp2":
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+        launcher += ["--master-port", str(free_port())]
+        extra = ["--ep", "2"]
+    else:  # accelerate's launcher (torchrun underneath), its DDP config: the model arrives sharded, it wraps nothing
+        launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
+        launcher += [str(ROOT / "examples" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port())]
+        extra = []
+    losses, adapter = sft(k3, chats, tmp_path, launcher, *extra)
+    want, want_adapter = one_process
+    for key in ("loss", "eval_loss"):
+        assert losses[key].keys() == want[key].keys()
+        for step in want[key]:
+            assert losses[key][step] == pytest.approx(want[key][step], rel=REL, abs=0), (key, step, losses, want)
+    assert adapter.keys() == want_adapter.keys()
+    for key in adapter:
+        torch.testing.assert_close(adapter[key], want_adapter[key], rtol=1e-5, atol=1e-7, msg=key)

@@ -56,3 +56,38 @@ def run(cmd: list[str], timeout: int = 600, extra_env: dict | None = None) -> su
         out, err = proc.communicate()
         raise AssertionError(f"timed out: {cmd}\n{out[-2000:]}{err[-4000:]}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def run_nodes(
+    args: list[str], nodes: int = 2, nproc: int = 2, timeout: int = 600
+) -> list[subprocess.CompletedProcess]:
+    """`torchrun --nnodes N ... args` once a "node", all on 127.0.0.1, meeting at one c10d rendezvous (what a cluster
+    job runs, one command a node); every node's result, each asserted to exit 0. args: a script or `-m module`, and
+    its flags."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nodes), "--nproc-per-node", str(nproc)]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", f"test{port}", *args]
+    procs = [
+        subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=clean_env(),
+            cwd=ROOT,
+            start_new_session=True,
+        )
+        for _ in range(nodes)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=timeout)
+            outs.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for o in outs:
+        assert o.returncode == 0, o.stderr[-4000:]
+    return outs

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.distributed.launch import ROOT, clean_env, free_port, run
+from tests.distributed.launch import ROOT, free_port, run, run_nodes
 
 
 SCRIPT = ROOT / "examples" / "k3_finetune.py"
@@ -108,61 +107,10 @@ def test_two_nodes_then_resume_on_another_layout(k3_folder, reference, tmp_path)
     runs, one command a node) train LoRA on `--pp 2 --ep 2` (fsdp filled in: PP 2 x FSDP2 2 x EP 2) (a stage's resident MXFP4 experts split over its
     2 data ranks) for 2 of the 3 steps and save a sharded checkpoint; FSDP2 x EP 2 on 2 ranks resumes it (DCP
     reshards the adapters and MuonClip's momentum) for the last step: the losses are one process's."""
-    port, ck = free_port(), tmp_path / "ck"
-    cmds = [
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nnodes",
-            "2",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-backend",
-            "c10d",
-            "--rdzv-endpoint",
-            f"127.0.0.1:{port}",
-            "--rdzv-id",
-            "k3test",
-            str(SCRIPT),
-            "--model",
-            str(k3_folder),
-            *COMMON,
-            "--lora",
-            "--pp",
-            "2",
-            "--ep",
-            "2",  # --fsdp left out: the 2 data ranks pp 2 leaves of 4 (ParallelDims), as torchtitan's -1
-            "--steps",
-            "2",
-            "--checkpoint-dir",
-            str(ck),
-        ]
-        for _ in range(2)
-    ]
-    procs = [
-        subprocess.Popen(
-            c,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=clean_env(),
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        for c in cmds
-    ]
-    outs = []
-    try:
-        for p, c in zip(procs, cmds):
-            out, err = p.communicate(timeout=600)
-            outs.append(subprocess.CompletedProcess(c, p.returncode, out, err))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    for o in outs:
-        assert o.returncode == 0, o.stderr[-4000:]
+    ck = tmp_path / "ck"
+    # --fsdp left out: the 2 data ranks pp 2 leaves of 4 (ParallelDims), as torchtitan's -1
+    flags = [*COMMON, "--lora", "--pp", "2", "--ep", "2", "--steps", "2", "--checkpoint-dir", str(ck)]
+    outs = run_nodes([str(SCRIPT), "--model", str(k3_folder), *flags])
     printed = [o for o in outs if o.stdout.strip()]
     assert len(printed) == 1, [o.stdout for o in outs]  # global rank 0 is on one of the nodes
     first = losses(printed[0])

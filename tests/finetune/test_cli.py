@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.distributed.launch import free_port, run
+from tests.distributed.launch import free_port, run, run_nodes
 
 
 REL = 1e-5  # the issue's bound: the same data and seed give the same losses in every layout
@@ -36,10 +36,13 @@ def finetune(folder, data, *args, nproc: int = 1, eval_data: bool = True) -> dic
         cmd += ["--master-port", str(free_port()), "-m", "kimi_hf", *flags]
     out = run(cmd)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
-    rows = [json.loads(line) for line in out.stdout.splitlines()]
+    return parse(out.stdout)
+
+
+def parse(stdout: str) -> dict[str, dict[int, float]]:
     got = {"loss": {}, "eval_loss": {}}
-    for r in rows:
-        assert set(r) in ({"step", "loss"}, {"step", "eval_loss"}), out.stdout
+    for r in (json.loads(line) for line in stdout.splitlines()):
+        assert set(r) in ({"step", "loss"}, {"step", "eval_loss"}), stdout
         key = "loss" if "loss" in r else "eval_loss"
         got[key][r["step"]] = r[key]
     return got
@@ -94,6 +97,20 @@ def test_layouts_match_one_process(k3, chats, reference, tmp_path, nproc, layout
     assert one.keys() == here.keys()
     for key in one:
         assert torch.allclose(here[key], one[key], rtol=1e-4, atol=1e-6), key
+
+
+def test_full_fine_tuning_on_two_nodes_matches_one_process(k3, chats, tmp_path):
+    """Full fine-tuning (the MXFP4 experts loaded dense, every weight trained, MuonClip with QK-Clip, clipping) on the
+    chat data, launched as a 2-node cluster job runs it: one `torchrun --nnodes 2 ... kimi-hf finetune` a "node"
+    (one rank each, on 127.0.0.1, at a c10d rendezvous), FSDP2 2 x EP 2 with --fsdp left out; global rank 0, on one
+    of the nodes, prints one process's per-step and held-out losses."""
+    want = finetune(k3, chats, "--full")
+    flags = ["finetune", "--model", str(k3), "--data", str(chats["train"]), "--eval-data", str(chats["eval"])]
+    outs = run_nodes(["-m", "kimi_hf", *flags, *COMMON, "--full", "--ep", "2"], nodes=2, nproc=1)
+    printed = [o.stdout for o in outs if o.stdout.strip()]
+    assert len(printed) == 1, [o.stdout for o in outs]
+    assert_same(want, parse(printed[0]))
+    assert want["loss"][2] != want["loss"][0]
 
 
 def test_resume_is_bit_identical(k3, chats, reference, tmp_path):

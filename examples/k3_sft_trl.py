@@ -25,9 +25,15 @@ import os
 
 import torch
 
+from kimi_hf.cli_args import ArgumentParser, check_positive, one_line
+from kimi_hf.finetune.data import load_sft_rows
+from kimi_hf.model_folder import check_model_folder
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    """The flags, checked before any model is built: a bad one (or a bad file, row or field of the data) is one line
+    `k3_sft_trl.py: error: ...`, exit status 2."""
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--model", required=True, help="a Kimi K3 folder (released layout, MXFP4 experts kept resident)")
     p.add_argument("--data", required=True, help="a .jsonl / .json / .parquet file in TRL's formats")
     p.add_argument("--eval-data", help="held-out rows, evaluated every --eval-every steps")
@@ -46,7 +52,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="outputs/k3_sft_trl", help="the Trainer's output folder")
     p.add_argument("--save-adapter", help="write the trained adapter here in K3's released module names")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        check_args(args, int(os.environ.get("WORLD_SIZE", "1")))
+    except (ValueError, TypeError, OSError) as e:
+        p.error(one_line(e))
+    return args
+
+
+def check_args(args, world: int) -> None:
+    check_positive(args, "steps", "batch", "seq_len", "lora_rank", "ep")
+    check_positive(args, "lr", number="number")
+    if args.eval_every < 0:
+        raise ValueError(f"--eval-every must be 0 (no evaluation) or positive, got {args.eval_every}")
+    check_model_folder(args.model, what="--model", model_types=("kimi_k3",))
+    if world % args.ep:
+        raise ValueError(f"--ep {args.ep} does not divide the {world} ranks (FSDP2's data ranks, which it tiles)")
+    if args.batch % world:
+        raise ValueError(f"--batch {args.batch} is not a multiple of the {world} ranks (rows a step, over them all)")
+    for flag, path in (("--data", args.data), ("--eval-data", args.eval_data)):
+        if path is not None:
+            if not path.endswith((".json", ".jsonl", ".parquet")):
+                raise ValueError(f"{flag} {path!r}: give a .jsonl, .json or .parquet file")
+            load_sft_rows(path)  # every row in TRL's formats (the file, row and field named)
 
 
 class JsonLines:
@@ -79,8 +107,6 @@ def main(argv=None) -> None:
     from kimi_hf.optim import MuonClip
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world % args.ep or args.batch % world:
-        raise SystemExit(f"k3_sft_trl: --ep {args.ep} and --batch {args.batch} must divide the {world} ranks' work")
     config = kimi_hf.KimiK3Config.from_pretrained(args.model)
     # several ranks: transformers shards at load, FSDP2 over every rank and the experts over ep of them
     sharded = DistributedConfig(ep_size=args.ep, fsdp_size=world) if world > 1 else None
@@ -89,7 +115,7 @@ def main(argv=None) -> None:
     torch.manual_seed(args.seed)  # the adapters' draw: the same on every rank (and the Trainer broadcasts rank 0's)
     model = get_peft_model(model, kimi_hf.lora_config(config, args.lora_rank))
     files = {"train": args.data, **({"eval": args.eval_data} if args.eval_data else {})}
-    data = load_dataset("json" if args.data.endswith(("json", "jsonl")) else "parquet", data_files=files)
+    data = load_dataset("parquet" if args.data.endswith(".parquet") else "json", data_files=files)
     evaluating = args.eval_data is not None and args.eval_every > 0
     sft = SFTConfig(
         output_dir=args.out,

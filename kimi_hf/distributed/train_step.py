@@ -56,30 +56,14 @@ def train_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Ten
     (default: input_ids; -100 not trained), position_ids [rows, T] (optional: packed documents restart at 0).
     rows = micro_batches x micro_batch. Returns this rank's share of the step's mean loss (a 0-dim tensor; the sum
     over the world is the step's loss)."""
-    from .context import context_parallel_batch
     from .lora import average_unsharded_grads
     from .pipeline import CausalLMLoss
 
     dims = rank.dims
     (local_ids, local_labels, local_positions), num_items = _local_batch(rank, batch)
-    context = rank.groups.get("context")
     if rank.schedule is not None:
         rank.loss_fn.num_items = num_items
-        inputs, target, positions = local_ids, local_labels, local_positions
-        if context is not None:  # this rank's slice of each sequence, the labels shifted before the cut
-            part = context_parallel_batch(local_ids, context, position_ids=positions, labels=local_labels)
-            inputs, target = part["input_ids"], part["shift_labels"]
-            positions = part["position_ids"] if positions is not None else None
-        # packed documents: every stage builds its masks from the position ids (a keyword each rank passes, split
-        # into micro-batches as the inputs are)
-        extra = {"position_ids": positions.to(rank.device)} if positions is not None else {}
-        losses = []
-        if rank.stage.is_first:
-            rank.schedule.step(inputs.to(rank.device), **extra)
-        elif rank.stage.is_last:
-            rank.schedule.step(target=target.to(rank.device), losses=losses, **extra)
-        else:
-            rank.schedule.step(**extra)
+        losses = _pipeline(rank, rank.schedule.step, local_ids, local_labels, local_positions)
         if not rank.stage.is_last:
             return torch.zeros((), device=rank.device)
         return torch.stack([loss.detach() for loss in losses]).sum() / (dims.data_ranks * dims.tp)
@@ -91,6 +75,30 @@ def train_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Ten
     if rank.sync_adapters:
         average_unsharded_grads(rank.model, rank.groups.get("adapters"))
     return total / dims.tp  # the tp ranks of a data rank computed the same loss
+
+
+def _pipeline(rank: ParallelModel, run, ids, labels, positions) -> list[torch.Tensor]:
+    """One pass of the pipeline schedule (`run`: its `step`, or `eval` for the forward alone) over this data rank's
+    rows, each sequence split over the context-parallel group; the last stage's micro-batch losses ([] elsewhere)."""
+    from .context import context_parallel_batch
+
+    context = rank.groups.get("context")
+    inputs, target = ids, labels
+    if context is not None:  # this rank's slice of each sequence, the labels shifted before the cut
+        part = context_parallel_batch(ids, context, position_ids=positions, labels=labels)
+        inputs, target = part["input_ids"], part["shift_labels"]
+        positions = part["position_ids"] if positions is not None else None
+    # packed documents: every stage builds its masks from the position ids (a keyword each rank passes, split into
+    # micro-batches as the inputs are)
+    extra = {"position_ids": positions.to(rank.device)} if positions is not None else {}
+    losses = []
+    if rank.stage.is_first:
+        run(inputs.to(rank.device), **extra)
+    elif rank.stage.is_last:
+        run(target=target.to(rank.device), losses=losses, **extra)
+    else:
+        run(**extra)
+    return losses
 
 
 def _micro_batch_losses(rank: ParallelModel, ids, labels, positions, loss_fn):
@@ -122,22 +130,30 @@ def _micro_batch_losses(rank: ParallelModel, ids, labels, positions, loss_fn):
 def eval_step(rank: ParallelModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The summed loss and the label tokens of a global batch (as train_step's), without a backward: a [2] fp32
     tensor (loss sum, tokens) of this rank's share; all_reduce over the world, then sum / tokens is the batch's mean
-    loss (the tp ranks' copies scale both alike). pp == 1."""
+    loss (the tp ranks' copies scale both alike). Under pp the schedule runs forward only and the last stage's ranks
+    hold the shares (the others: zeros)."""
     from .pipeline import CausalLMLoss
 
-    if rank.schedule is not None:
-        raise ValueError("evaluation under pipeline stages is not in this version: evaluate without --pp")
     (ids, labels, positions), _ = _local_batch(rank, batch)
-    loss_fn = CausalLMLoss(rank.config.get_text_config().vocab_size, 1)  # summed over the tokens
     was_training = rank.model.training
     rank.model.eval()
     try:
-        losses = _micro_batch_losses(rank, ids, labels, positions, loss_fn)
-        total = sum((loss.float() for loss in losses), torch.zeros((), device=rank.device))
+        if rank.schedule is not None:
+            loss_fn = rank.loss_fn
+            scale = loss_fn.num_items, loss_fn.grad_divide
+            loss_fn.num_items, loss_fn.grad_divide = 1, 1  # summed over the tokens
+            try:
+                losses = _pipeline(rank, rank.schedule.eval, ids, labels, positions)
+            finally:
+                loss_fn.num_items, loss_fn.grad_divide = scale
+        else:
+            loss_fn = CausalLMLoss(rank.config.get_text_config().vocab_size, 1)  # summed over the tokens
+            losses = _micro_batch_losses(rank, ids, labels, positions, loss_fn)
+        total = sum((loss.detach().float() for loss in losses), torch.zeros((), device=rank.device))
     finally:
         rank.model.train(was_training)
     # this rank's tokens: under cp its slice's shifted labels; the cp ranks' slices add up to the rows'
-    tokens = label_tokens(labels) / rank.dims.cp
+    tokens = label_tokens(labels) / rank.dims.cp if rank.stage is None or rank.stage.is_last else 0
     return torch.stack([total, torch.tensor(float(tokens), device=rank.device)])
 
 

@@ -189,8 +189,6 @@ def check(args, world: int):
     dims = check_layout(args, config, world, args.pipeline_schedule)
     if args.dtype == "auto":
         args.dtype = "bfloat16" if torch.cuda.is_available() else "float32"
-    if args.eval_data and dims.pp > 1:
-        raise ValueError("--eval-data with --pp: evaluation under pipeline stages is not in this version")
     train, held_out = sources(args, config)
     return config, dims, train, held_out
 

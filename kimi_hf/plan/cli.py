@@ -86,13 +86,16 @@ GPUS_A_NODE = 8  # H100 / H200 nodes
 def launch_command(plan, model: str) -> str | None:
     """The `kimi-hf finetune` launch of a training plan's layout (one command a node under torchrun; None for
     inference): its layout flags, sequence, micro-batch and checkpointing; $HEAD (node 0's address) and $DATA (the
-    user's dataset) left to fill in."""
+    user's dataset) left to fill in, and $MODEL when `model` is a config file other than a folder's config.json (a
+    config alone: no weights beside it to train)."""
     import os
     import shlex
 
     if plan.task == "infer":
         return None
-    folder = os.path.dirname(model) if model.endswith(".json") else model
+    folder = model
+    if model.endswith(".json"):
+        folder = (os.path.dirname(model) or ".") if os.path.basename(model) == "config.json" else "$MODEL"
     n = plan.gpus
     if n <= GPUS_A_NODE:
         launch = f"torchrun --standalone --nproc-per-node {n}"
@@ -102,7 +105,13 @@ def launch_command(plan, model: str) -> str | None:
             f"torchrun --nnodes {nodes} --nproc-per-node {GPUS_A_NODE} --rdzv-backend c10d "
             "--rdzv-endpoint $HEAD:29500 --rdzv-id kimi-finetune"
         )
-    args = ["--model", shlex.quote(folder), "--data", "$DATA", "--lora" if plan.task == "lora" else "--full"]
+    args = [
+        "--model",
+        folder if folder == "$MODEL" else shlex.quote(folder),
+        "--data",
+        "$DATA",
+        "--lora" if plan.task == "lora" else "--full",
+    ]
     args += plan.layout.flags() + ["--seq-len", str(plan.seq_len), "--micro-batch", str(plan.micro_batch)]
     args += ["--optimizer", plan.optimizer]
     if plan.checkpointing:

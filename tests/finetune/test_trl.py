@@ -80,3 +80,35 @@ def test_sharded_at_load_matches_one_process(k3, chats, tmp_path, one_process, l
     assert adapter.keys() == want_adapter.keys()
     for key in adapter:
         torch.testing.assert_close(adapter[key], want_adapter[key], rtol=1e-5, atol=1e-7, msg=key)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "{bad}"], "bad.jsonl: row 0: messages[0].role: unknown role 'bot'"),
+        (["--data", "{train}", "--ep", "2"], "--ep 2 does not divide the 1 ranks"),
+        (["--data", "{train}", "--batch", "0"], "--batch must be a positive integer, got 0"),
+        (["--data", "{tmp}/chats.txt"], "give a .jsonl, .json or .parquet file"),
+        (["--data", "{train}", "--model", "{tmp}"], "config.json does not exist"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_model(k3, chats, tmp_path, args, message, capsys, monkeypatch):
+    """The script's own argument parsing, in this process (a world of one): one line, exit status 2."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("k3_sft_trl", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"messages": [{"role": "bot", "content": "hi"}]}) + "\n")
+    fill = {"{tmp}": str(tmp_path), "{bad}": str(bad), "{train}": str(chats["train"])}
+    for key, value in fill.items():
+        args = [a.replace(key, value) for a in args]
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.setattr(sys, "argv", [SCRIPT])
+    with pytest.raises(SystemExit) as exit:
+        script.parse_args(["--model", str(k3), *args])
+    out = capsys.readouterr()
+    assert exit.value.code == 2 and out.out == "", out.err
+    assert out.err.count("\n") == 1 and out.err.startswith("k3_sft_trl.py: error: "), out.err
+    assert message in out.err, out.err

@@ -165,3 +165,32 @@ def test_a_model_saved_in_fp32_or_fp16_plans(folder, dtype):
     assert bf16.per_rank["weights"] * (scale if scale == 1 else 1.2) <= wide.per_rank["weights"]  # MXFP4 stays
     assert wide.per_rank["weights"] <= bf16.per_rank["weights"] * scale
     assert wide.per_rank["activations"] >= bf16.per_rank["activations"] * (1 if scale == 2 else 0.99)
+
+
+def test_the_suggested_launch_command_is_one_the_trainer_accepts(folder, capsys, tmp_path):
+    """--suggest's `"command"`: `kimi-hf finetune`'s flags of the layout it found, which the trainer's own checks
+    accept on `"gpus"` ranks as that very layout (ParallelDims equal), the model folder filled in; from a config file
+    other than a folder's config.json (no weights beside it), `$MODEL` instead."""
+    import shlex
+
+    from kimi_hf.finetune.cli import check_layout, parse_args
+    from kimi_hf.plan.cli import main
+    from kimi_hf.plan.planner import load_config
+
+    one = plan(folder, "lora", True, "mxfp4")
+    memory = int(0.7 * one.per_rank["total"] / (1 - 0.08))
+    args = ["--task", "lora", "--seq-len", str(SEQ_LEN), "--micro-batch", str(MICRO_BATCH), "--checkpointing"]
+    main([folder, *args, "--suggest", "--gpu-memory", str(memory), "--json"])
+    found = json.loads(capsys.readouterr().out)
+    assert found["fits"] is True and found["gpus"] > 1
+    launch, _, flags = found["command"].partition(" $(which kimi-hf) finetune ")
+    assert launch == f"torchrun --standalone --nproc-per-node {found['gpus']}"
+    flags = shlex.split(flags.replace("$DATA", "random"))
+    assert flags[:2] == ["--model", folder] and "--gradient-checkpointing" in flags
+    parsed = parse_args(flags)
+    dims = check_layout(parsed, load_config(folder), found["gpus"], parsed.pipeline_schedule)
+    assert vars(dims) == found["layout"]
+    config = tmp_path / "k3.json"
+    config.write_text(Path(folder, "config.json").read_text())
+    main([str(config), *args, "--suggest", "--gpu-memory", str(memory), "--json"])
+    assert " finetune --model $MODEL --data $DATA " in json.loads(capsys.readouterr().out)["command"]

@@ -11,7 +11,8 @@ the model as it loads (transformers' FSDP2 over the data ranks, the routed exper
 adapters after it and transformers' Trainer keeps them replicated (broadcast at the start, gradients averaged);
 SFTTrainer renders the chats with K3's template, trains on the assistant's tokens (`assistant_only_loss`, the
 template's generation markers), packs documents into rows (`bfd`: each document's positions restart, which K3 reads
-as document boundaries) and evaluates the held-out file. Pipeline stages, tensor parallelism with LoRA and context
+as document boundaries) and evaluates the held-out file. Rows with `images` (file paths, relative to the data file;
+`{"type": "image"}` parts in the messages) go through K3's processor and TRL's vision collator instead, unpacked. Pipeline stages, tensor parallelism with LoRA and context
 parallelism are the library trainer's (`kimi-hf finetune`); accelerate's context parallelism shards SDPA only.
 
 Rank 0 prints one JSON line per step, {"step": i, "loss": x}, and per evaluation, {"step": i, "eval_loss": x}.
@@ -37,7 +38,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", required=True, help="a Kimi K3 folder (released layout, MXFP4 experts kept resident)")
     p.add_argument("--data", required=True, help="a .jsonl / .json / .parquet file in TRL's formats")
     p.add_argument("--eval-data", help="held-out rows, evaluated every --eval-every steps")
-    p.add_argument("--eval-every", type=int, default=0)
+    p.add_argument("--eval-every", type=int, default=0, help="evaluate every N steps (0: at the end)")
     p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (tiling FSDP2's data ranks)")
     p.add_argument("--lora-rank", type=int, default=8)
     p.add_argument("--steps", type=int, default=3)
@@ -64,7 +65,7 @@ def check_args(args, world: int) -> None:
     check_positive(args, "steps", "batch", "seq_len", "lora_rank", "ep")
     check_positive(args, "lr", number="number")
     if args.eval_every < 0:
-        raise ValueError(f"--eval-every must be 0 (no evaluation) or positive, got {args.eval_every}")
+        raise ValueError(f"--eval-every must be 0 (at the end) or positive, got {args.eval_every}")
     check_model_folder(args.model, what="--model", model_types=("kimi_k3",))
     if world % args.ep:
         raise ValueError(f"--ep {args.ep} does not divide the {world} ranks (FSDP2's data ranks, which it tiles)")
@@ -94,11 +95,21 @@ class JsonLines:
         return _Printer()
 
 
+def with_images(split, folder: str):
+    """The split's `images` (file paths, relative ones under `folder`) as decoded PIL images (datasets' Image)."""
+    from datasets import Image, Sequence
+
+    def absolute(row):
+        return {"images": [p if os.path.isabs(p) else os.path.join(folder, p) for p in row["images"] or []]}
+
+    return split.map(absolute).cast_column("images", Sequence(Image()))
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     from datasets import load_dataset
     from peft import get_peft_model
-    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback
+    from transformers import AutoModelForCausalLM, AutoProcessor, AutoTokenizer, PrinterCallback
     from transformers.distributed import DistributedConfig
     from trl import SFTConfig, SFTTrainer
 
@@ -116,7 +127,13 @@ def main(argv=None) -> None:
     model = get_peft_model(model, kimi_hf.lora_config(config, args.lora_rank))
     files = {"train": args.data, **({"eval": args.eval_data} if args.eval_data else {})}
     data = load_dataset("parquet" if args.data.endswith(".parquet") else "json", data_files=files)
-    evaluating = args.eval_data is not None and args.eval_every > 0
+    # rows with images: K3's processor renders them (each image's patches at its placeholder) and TRL's vision
+    # collator batches them unpacked; image paths are relative to their data file
+    images = "images" in data["train"].column_names
+    if images:
+        for split, path in files.items():
+            data[split] = with_images(data[split], os.path.dirname(os.path.abspath(path)))
+    evaluating = args.eval_data is not None
     sft = SFTConfig(
         output_dir=args.out,
         max_steps=args.steps,
@@ -129,11 +146,11 @@ def main(argv=None) -> None:
         lr_scheduler_type="constant",
         max_grad_norm=args.max_grad_norm,
         max_length=args.seq_len,
-        packing=True,
+        packing=not images,
         packing_strategy="bfd",
         assistant_only_loss=True,
         eval_strategy="steps" if evaluating else "no",
-        eval_steps=args.eval_every or None,
+        eval_steps=args.eval_every or args.steps,
         logging_steps=1,
         save_strategy="no",
         report_to=[],
@@ -147,7 +164,7 @@ def main(argv=None) -> None:
         args=sft,
         train_dataset=data["train"],
         eval_dataset=data["eval"] if evaluating else None,
-        processing_class=AutoTokenizer.from_pretrained(args.model),
+        processing_class=(AutoProcessor if images else AutoTokenizer).from_pretrained(args.model),
         callbacks=[JsonLines()],
         # MuonClip over the trainable parameters by role (Muon on the adapters' matrices); its Newton-Schulz work is
         # shared over the ranks, which all hold the adapters

@@ -57,6 +57,12 @@ def parser(prog: str = PROG) -> ArgumentParser:
         help="micro-batches a step over all data ranks (default: one a rank)",
     )
     p.add_argument("--packing", choices=("bfd", "wrapped"), default="bfd", help="whole documents, or cut at row ends")
+    p.add_argument(
+        "--chat-template-kwargs",
+        metavar="JSON",
+        help='keywords of the chat template for every row, a JSON object (a row\'s own chat_template_kwargs win): '
+        'K3 renders a "max" thinking-effort preamble by default, \'{"thinking_effort": null}\' leaves it out',
+    )
     for name in ("tp", "ep", "pp", "cp"):
         p.add_argument(f"--{name}", type=int, default=1, help=f"{name} size")
     p.add_argument("--fsdp", type=int, default=None, help="FSDP2 shards (default: the data ranks the others leave)")
@@ -135,7 +141,21 @@ def parse_args(argv=None, prog: str = PROG):
         raise ValueError("--save-adapter saves LoRA adapters: drop --full")
     if args.eval_data and args.data in ("stdlib", "random"):
         raise ValueError(f"--eval-data goes with --data PATH (--data {args.data} has no held-out split)")
+    args.chat_template_kwargs = _template_kwargs(args.chat_template_kwargs)
     return args
+
+
+def _template_kwargs(value) -> dict | None:
+    """--chat-template-kwargs: a JSON object on the command line, or a mapping in a --config file."""
+    if value is None or isinstance(value, dict):
+        return value
+    try:
+        value = json.loads(value)
+    except ValueError as e:
+        raise ValueError(f"--chat-template-kwargs: not valid JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"--chat-template-kwargs: expected a JSON object of keywords, got {value!r}")
+    return value
 
 
 def check_folders(args):
@@ -209,7 +229,7 @@ def sources(args, config):
 
     def packed(path: str, flag: str, shuffle: bool):
         data = load_sft_rows(path, name=f"{flag} {path}")
-        docs = tokenize_sft_rows(data, tokenizer)
+        docs = tokenize_sft_rows(data, tokenizer, chat_template_kwargs=args.chat_template_kwargs)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         packed = PackedDataset(docs, args.seq_len, strategy=args.packing, seed=args.seed, pad_id=pad, shuffle=shuffle)
         lost = [

@@ -32,8 +32,9 @@ use (so a tool-call argument whose value is null is dropped too: give such argum
 the same keys. (`.json` / `.jsonl` files keep each row as written: `datasets` reads mixed structures as Json.)
 
 Images: the `images` column is checked (a list, as many as the messages' image parts) but not tokenized here: packed
-fine-tuning is text-only; rows with images are refused at tokenization (kimi_hf.collators.KimiHybridVisionCollator
-batches them for transformers' Trainer).
+fine-tuning is text-only; rows with images are refused at tokenization (TRL's SFTTrainer trains them unpacked with
+K3's processor: examples/k3_sft_trl.py; kimi_hf.collators.KimiHybridVisionCollator batches them for transformers'
+Trainer).
 """
 
 from __future__ import annotations
@@ -468,7 +469,11 @@ def tokenize_sft_rows(data: SFTData, tokenizer, *, chat_template_kwargs: dict | 
         parsed = _parse(data, i, row)
         try:
             if parsed["images"]:
-                raise _Bad("images", "packed fine-tuning is text-only: rows with images are not supported here")
+                raise _Bad(
+                    "images",
+                    "packed fine-tuning is text-only: train rows with images through TRL's SFTTrainer "
+                    "(examples/k3_sft_trl.py, unpacked)",
+                )
             ids, trained = _document(parsed, data.format, tokenizer, options)
         except _Bad as e:
             raise SFTDataError(data.source, e.problem, data.row_number(i), e.field) from None

@@ -1,7 +1,8 @@
 """`kimi-hf finetune` on a tiny Kimi K3 in the released layout (MXFP4 experts, K3's chat template): a chat dataset with
 tools written here, the loss on the assistant's tokens, packed rows with document boundaries, a held-out loss; the
-same per-step losses (and eval losses) on one process and on gloo ranks (EP 2 with fsdp filled in, CP 2, full
-fine-tuning with clipping), resume bit-identical, bad input one line before any model is built."""
+same per-step losses (and eval losses) on one process and on gloo ranks (LoRA: EP 2 with fsdp filled in, CP 2,
+PP 2 x FSDP2 2 x EP 2; full fine-tuning as a 2-node torchrun job), clipping and the chunked loss on; resume
+bit-identical; --chat-template-kwargs; bad input one line before any model is built."""
 
 from __future__ import annotations
 
@@ -137,6 +138,22 @@ def test_a_config_file_holds_the_flags_and_the_command_line_wins(k3, chats, tmp_
         parse_args(["--config", str(tmp_path / "bad.json")])
 
 
+def test_chat_template_kwargs_reach_every_row(k3, chats):
+    """--chat-template-kwargs: K3's default "max" thinking-effort preamble (a system message on every row) left out
+    with thinking_effort null; every row shorter by the same preamble, the assistant tokens trained on unchanged."""
+    from kimi_hf.finetune.cli import check, parse_args
+
+    flags = ["--model", str(k3), "--data", str(chats["train"]), "--seq-len", "2048", "--steps", "1"]
+    docs = {}
+    for extra in ([], ["--chat-template-kwargs", '{"thinking_effort": null}']):
+        docs[bool(extra)] = check(parse_args(flags + extra), world=1)[2].docs
+    with_preamble, without = docs[False].lengths, docs[True].lengths
+    saved = with_preamble - without
+    assert saved.min() == saved.max() > 20  # the one preamble, from every row
+    trained = [int((d.labels != -100).sum()) for d in (docs[False], docs[True])]
+    assert trained[0] == trained[1]
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -147,6 +164,7 @@ def test_a_config_file_holds_the_flags_and_the_command_line_wins(k3, chats, tmp_
         (["--data", "random", "--resume"], "--resume needs --checkpoint-dir"),
         (["--data", "random", "--eval-data", "{bad}"], "--eval-data goes with --data PATH"),
         (["--data", "random", "--config", "{tmp}/nothing.yaml"], "--config"),
+        (["--data", "{train}", "--chat-template-kwargs", "[1]"], "--chat-template-kwargs: expected a JSON object"),
         (["--data", "{train}", "--pp", "2", "--micro-batches", "2", "--gpus-typo"], "unrecognized arguments"),
     ],
 )

@@ -1,8 +1,9 @@
 """TRL's SFTTrainer with PEFT LoRA on a tiny released-layout K3 (resident MXFP4 experts), the HF-native path of
 `examples/k3_sft_trl.py`: the chats with tools rendered by K3's template, the loss on the assistant's tokens, packed
-rows (bfd, padding-free: positions restart per document), a held-out loss. Sharded at load by transformers'
-DistributedConfig, the per-step and held-out losses and the saved adapter (released names) equal one process's:
-EP 2 x FSDP2 2 under torchrun, FSDP2 2 under `accelerate launch`.
+rows (bfd, padding-free: positions restart per document), a held-out loss; and chats about images (K3's processor,
+TRL's vision collator, unpacked). Sharded at load by transformers' DistributedConfig (EP 2 x FSDP2 2), the per-step and
+held-out losses and the saved adapter (released names) equal one process's: the chats with tools under torchrun, the
+image chats under `accelerate launch`.
 
 In float64 (the model; its gates and decays stay fp32): in float32 the runs differ by 1-2e-5 after two steps at
 lr 2e-3, the gradients' summation order (one process accumulates 4 rows in turn, two ranks 2 each then all-reduce)
@@ -28,12 +29,13 @@ REL = 1e-6
 ARGS = ["--steps", "3", "--eval-every", "2", "--lora-rank", "4", "--lr", "2e-3", "--dtype", "float64"]
 
 
-def sft(k3, chats, tmp_path, launcher: list[str], *args) -> tuple[dict, dict]:
+def sft(k3, data: dict, tmp_path, launcher: list[str], *args) -> tuple[dict, dict]:
     """({"loss": {step: x}, "eval_loss": {step: x}} of rank 0's JSON lines, the saved adapter's tensors)."""
     from safetensors.torch import load_file
 
     adapter = tmp_path / "adapter"
-    cmd = [*launcher, SCRIPT, "--model", str(k3), "--data", str(chats["train"]), "--eval-data", str(chats["eval"])]
+    cmd = [*launcher, SCRIPT, "--model", str(k3), "--data", str(data["train"])]
+    cmd += ["--eval-data", str(data["eval"])] if "eval" in data else []
     cmd += [*ARGS, "--out", str(tmp_path / "out"), "--save-adapter", str(adapter), *args]
     out = run(cmd)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-5000:]
@@ -47,32 +49,57 @@ def sft(k3, chats, tmp_path, launcher: list[str], *args) -> tuple[dict, dict]:
 
 
 @pytest.fixture(scope="module")
-def one_process(k3, chats, tmp_path_factory):
-    return sft(k3, chats, tmp_path_factory.mktemp("one"), [sys.executable])
+def image_chats(tmp_path_factory) -> dict:
+    """Questions about pictures (`{"type": "image"}` parts, `images` as paths relative to the file), answered."""
+    from PIL import Image
+
+    folder = tmp_path_factory.mktemp("image_chats")
+    rows = []
+    for i in range(8):
+        Image.new("RGB", (28 * (1 + i % 3), 56), (30 * i, 100, 200 - 20 * i)).save(folder / f"{i}.png")
+        question = [{"type": "image"}, {"type": "text", "text": "What color is it?"}]
+        answer = [{"type": "text", "text": f"It is color number {i}."}]
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        rows.append({"messages": messages, "images": [f"{i}.png"]})
+    (folder / "chats.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return {"train": folder / "chats.jsonl"}
+
+
+@pytest.fixture(scope="module")
+def one_process(k3, chats, image_chats, tmp_path_factory):
+    """One process's runs: the chats with tools (packed, held-out loss) and the image chats (unpacked)."""
+    return {
+        "text": sft(k3, chats, tmp_path_factory.mktemp("one"), [sys.executable]),
+        "images": sft(k3, image_chats, tmp_path_factory.mktemp("one_images"), [sys.executable]),
+    }
 
 
 def test_one_process_trains_and_saves_the_adapter_in_the_released_names(one_process):
-    losses, adapter = one_process
+    losses, adapter = one_process["text"]
     assert sorted(losses["loss"]) == [0, 1, 2] and sorted(losses["eval_loss"]) == [1, 2]
     # it learns, by far more than the layouts' bound below
     assert losses["loss"][0] - losses["loss"][2] > 1e3 * REL * losses["loss"][0]
     assert losses["eval_loss"][1] - losses["eval_loss"][2] > 1e3 * REL * losses["eval_loss"][1]
     assert adapter and all(k.startswith("base_model.model.language_model.model.layers.") for k in adapter)
     assert any(".block_sparse_moe.shared_experts." in k for k in adapter)  # the MoE layers' released names
+    losses, _ = one_process["images"]
+    assert sorted(losses["loss"]) == [0, 1, 2] and losses["loss"][0] - losses["loss"][2] > 1e3 * REL
 
 
-@pytest.mark.parametrize("layout", ["torchrun_ep2_fsdp2", "accelerate_fsdp2"])
-def test_sharded_at_load_matches_one_process(k3, chats, tmp_path, one_process, layout):
-    if layout == "torchrun_ep2_fsdp2":
+@pytest.mark.parametrize("launch", ["torchrun", "accelerate"])
+def test_ep2_x_fsdp2_sharded_at_load_matches_one_process(k3, chats, image_chats, tmp_path, one_process, launch):
+    """EP 2 x FSDP2 2 on 2 ranks: the chats with tools under torchrun, the image chats under `accelerate launch`
+    (its DDP config starts the ranks: the model arrives sharded, accelerate wraps nothing)."""
+    if launch == "torchrun":
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
         launcher += ["--master-port", str(free_port())]
-        extra = ["--ep", "2"]
-    else:  # accelerate's launcher (torchrun underneath), its DDP config: the model arrives sharded, it wraps nothing
+        data, kind = chats, "text"
+    else:
         launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file"]
         launcher += [str(ROOT / "examples" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port())]
-        extra = []
-    losses, adapter = sft(k3, chats, tmp_path, launcher, *extra)
-    want, want_adapter = one_process
+        data, kind = image_chats, "images"
+    losses, adapter = sft(k3, data, tmp_path, launcher, "--ep", "2")
+    want, want_adapter = one_process[kind]
     for key in ("loss", "eval_loss"):
         assert losses[key].keys() == want[key].keys()
         for step in want[key]:

@@ -60,7 +60,7 @@ def parser(prog: str = PROG) -> ArgumentParser:
     p.add_argument(
         "--chat-template-kwargs",
         metavar="JSON",
-        help='keywords of the chat template for every row, a JSON object (a row\'s own chat_template_kwargs win): '
+        help="keywords of the chat template for every row, a JSON object (a row's own chat_template_kwargs win): "
         'K3 renders a "max" thinking-effort preamble by default, \'{"thinking_effort": null}\' leaves it out',
     )
     for name in ("tp", "ep", "pp", "cp"):

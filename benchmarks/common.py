@@ -16,6 +16,30 @@ import time
 from dataclasses import dataclass
 
 
+# the small hybrid model the CPU benchmarks time (benchmarks/model.py against transformers' kimi_linear,
+# benchmarks/claims/long_context.py against all-MLA): 4 layers of hidden 256, the first MLP dense, then MoE; each script
+# adds its layer_types and expert count
+HYBRID_SIZE = dict(
+    vocab_size=1024,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    kv_lora_rank=128,
+    qk_nope_head_dim=64,
+    qk_rope_head_dim=32,
+    v_head_dim=64,
+    num_experts_per_tok=2,
+    n_shared_experts=1,
+    linear_num_heads=4,
+    linear_head_dim=64,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+    mlp_layer_types=["dense"] + ["sparse"] * 3,
+)
+
 # interquartile range / median above which a timing is too noisy for the ratios built on it
 NOISY_SPREAD = 0.25
 QUIET_HINT = "rerun on a quiet machine or pin threads (e.g. OMP_NUM_THREADS=1 taskset -c 0 ...), with more repeats"

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from common import Timing, argument_parser, decode_step_times, spread_cell, spread_warning, timed, warn  # noqa: E402
+from common import HYBRID_SIZE, Timing, argument_parser, decode_step_times, spread_cell, spread_warning, timed, warn  # noqa: E402
 from transformers import StaticCache  # noqa: E402
 from transformers.models.kimi_linear import KimiLinearConfig, KimiLinearForCausalLM  # noqa: E402
 
@@ -32,27 +32,7 @@ from kimi_hf import KimiHybridCache, KimiHybridForCausalLM, KimiHybridTextConfig
 from kimi_hf.models.kimi_hybrid.configuration_kimi_hybrid import kimi_linear_layer_types  # noqa: E402
 
 
-SIZE = dict(
-    vocab_size=1024,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=256,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    kv_lora_rank=128,
-    qk_nope_head_dim=64,
-    qk_rope_head_dim=32,
-    v_head_dim=64,
-    num_experts_per_tok=2,
-    n_shared_experts=1,
-    linear_num_heads=4,
-    linear_head_dim=64,
-    pad_token_id=0,
-    bos_token_id=1,
-    eos_token_id=2,
-    layer_types=kimi_linear_layer_types(4),  # Kimi Linear's 3 KDA : 1 MLA
-    mlp_layer_types=["dense"] + ["sparse"] * 3,
-)
+SIZE = dict(HYBRID_SIZE, layer_types=kimi_linear_layer_types(4))  # Kimi Linear's 3 KDA : 1 MLA
 EXPERTS = 8
 
 

@@ -7,6 +7,7 @@
     kimi-hf serve MODEL_DIR [--port 8000]           (transformers serve for this package's models)
     kimi-hf finetune --model DIR --data PATH [...]  (LoRA / full fine-tuning on any layout; torchrun for several)
     kimi-hf bench NAME [...]                        (benchmarks/NAME.py of a source checkout)
+    kimi-hf bench claims CLAIM [--quick]            (benchmarks/claims/CLAIM.py: docs/claims.md)
 
 `kimi-hf COMMAND --help` shows a command's options. Errors are printed on one line; set
 KIMI_HF_TRACEBACK=1 to get the Python traceback instead.
@@ -56,6 +57,15 @@ BENCHMARKS = {
     "k3_context_memory": "context parallelism: memory per rank of a training step on one long sequence, 1 / 2 / 4 ranks",
     "k3_export": "the streaming export of a trained K3 checkpoint: peak memory against the model it writes",
     "chunked_loss": "the LM head + loss in chunks of tokens (loss_chunk_size) vs the whole logits: peak memory, time",
+    "claims": "the seeds' claims as experiments: `kimi-hf bench claims CLAIM [--quick]` (benchmarks/claims/CLAIM.py)",
+}
+# `kimi-hf bench claims CLAIM` runs benchmarks/claims/CLAIM.py (docs/claims.md); tests/test_cli.py checks this table
+# against that folder's scripts with a __main__ block
+CLAIMS = {
+    "parl": "a PARL orchestrator trained with GRPO: serial collapse, spurious parallelism, critical steps",
+    "recall": "per-channel (KDA) vs per-head (Gated DeltaNet's) forgetting vs MLA on synthetic recall (MQAR, ...)",
+    "hybrid-ratio": "KDA : MLA ratios 0:1, 1:1, 3:1, 7:1, 1:0 at equal size and steps: validation loss",
+    "long-context": "decode time and cache bytes against context length: the 3:1 hybrid vs all-MLA",
 }
 # what a command raises for bad input or a failed run: printed on one line, not as a traceback
 USER_ERRORS = (ValueError, TypeError, OSError, RuntimeError)
@@ -185,7 +195,20 @@ def _bench(argv):
         argv,
         description="Run benchmarks/NAME.py of a source checkout, as `python benchmarks/NAME.py ARGS...`.",
     )
-    script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", f"{name}.py")
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+    script = os.path.join(bench, f"{name}.py")
+    if name == "claims":
+        argv = argv[1:]
+        name = _choose(
+            f"{PROG} bench claims",
+            "CLAIM",
+            CLAIMS,
+            argv,
+            description="Run benchmarks/claims/CLAIM.py of a source checkout (docs/claims.md): one claim of the "
+            "seed articles as an experiment that prints its table and writes its plot; --quick for a smoke run.",
+        )
+        script = os.path.join(bench, "claims", f"{name.replace('-', '_')}.py")
+        name = f"claims {name}"
     if not os.path.exists(script):
         raise FileNotFoundError(
             f"kimi-hf bench runs the benchmarks/ scripts of a source checkout; {script} does not exist"

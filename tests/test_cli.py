@@ -13,7 +13,7 @@ from safetensors import safe_open
 from transformers import AutoProcessor
 
 import kimi_hf
-from kimi_hf.cli import BENCHMARKS, main, quickstart_parser, run
+from kimi_hf.cli import BENCHMARKS, CLAIMS, main, quickstart_parser, run
 from kimi_hf.scenes import counting_examples
 
 
@@ -101,13 +101,13 @@ def test_bench_script_help_names_the_command(capfd):
     assert capfd.readouterr().out.startswith("usage: kimi-hf bench qk_clip [-h]")
 
 
-def _runnable_benchmarks() -> set[str]:
-    """The scripts of benchmarks/ with a `if __name__ == "__main__":` block (helpers such as common.py,
+def _runnable_benchmarks(folder: Path = ROOT / "benchmarks") -> set[str]:
+    """The scripts of a folder with a `if __name__ == "__main__":` block (helpers such as common.py,
     memory_sampler.py and k3_shaped.py have none)."""
     import ast
 
     names = set()
-    for path in (ROOT / "benchmarks").glob("*.py"):
+    for path in folder.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
             test = node.test if isinstance(node, ast.If) else None
             if isinstance(test, ast.Compare) and ast.unparse(test) in (
@@ -126,10 +126,17 @@ def test_bench_lists_every_benchmark_script_and_only_those(capsys):
     listing = out.split("NAME:\n", 1)[1].split("\n\n", 1)[0]
     listed = [line.split()[0] for line in listing.splitlines()]
     assert listed == list(BENCHMARKS)
-    assert all((ROOT / "benchmarks" / f"{name}.py").is_file() for name in listed), listed
+    scripts = [name for name in listed if name != "claims"]  # claims: the folder benchmarks/claims/
+    assert all((ROOT / "benchmarks" / f"{name}.py").is_file() for name in scripts), listed
     runnable = _runnable_benchmarks()
     assert {"k3", "k3_lora_memory", "k3_export", "k3_rank_load", "k3_context_memory", "kda_cuda"} <= runnable
-    assert set(listed) == runnable, set(listed) ^ runnable
+    assert set(scripts) == runnable, set(scripts) ^ runnable
+    assert main(["bench", "claims", "--help"]) == 0
+    listing = capsys.readouterr().out.split("CLAIM:\n", 1)[1].split("\n\n", 1)[0]
+    claims = [line.split()[0] for line in listing.splitlines()]
+    assert claims == list(CLAIMS) == ["parl", "recall", "hybrid-ratio", "long-context"]  # the issue's fixed names
+    runnable = {name.replace("_", "-") for name in _runnable_benchmarks(ROOT / "benchmarks" / "claims")}
+    assert set(claims) == runnable, set(claims) ^ runnable
 
 
 def test_quickstart_help_shows_defaults_and_descriptions(capsys):

@@ -28,7 +28,7 @@ Setup (the full setting, the defaults):
 - metrics in nats per byte (the next byte's mean cross-entropy): the validation loss on 32 fixed held-out batches
   (65,536 bytes, the same for every model), its bits per byte (nats / ln 2) and per-byte perplexity exp(nats)
   beside it; the train loss is the mean over the last 10% of the steps. The curve evaluates the first 8 of those
-  batches every 50 steps. Per ratio: mean ± std (min-max) over the seeds, and each ratio's validation loss minus
+  batches every 50 steps. Per ratio: mean ± std [min, max] over the seeds, and each ratio's validation loss minus
   3:1's on the same seed (the paired difference: same data, less noisy than the spread).
 
 Commands:
@@ -333,7 +333,7 @@ def main(argv=None):
         ],
     )
     print_table(
-        f"Loss after {opts['steps']} steps (nats / byte; mean ± std (min-max) over seeds {seeds})",
+        f"Loss after {opts['steps']} steps (nats / byte; mean ± std [min, max] over seeds {seeds})",
         ["ratio", "train loss", "val loss", "val bits / byte", "val perplexity / byte", "Kimi Linear train / val ppl"],
         [
             [
@@ -349,7 +349,7 @@ def main(argv=None):
     )
     print_table(
         "Validation loss minus 3:1's, seed by seed (same data order; > 0: 3:1 is better)",
-        ["ratio", "per seed", "mean ± std (min-max)", "seeds where 3:1 is lower"],
+        ["ratio", "per seed", "mean ± std [min, max]", "seeds where 3:1 is lower"],
         [
             [
                 ratio,

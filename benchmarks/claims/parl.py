@@ -450,7 +450,7 @@ def main(argv=None) -> dict:
         )
     print_table(
         f"PARL on wide search, after {setting.grpo_steps} GRPO steps: {setting.eval_tasks} held-out tasks, budget "
-        f"{args.budget} critical steps, seeds {seeds} (mean ± std (min-max))",
+        f"{args.budget} critical steps, seeds {seeds} (mean ± std [min, max])",
         ["policy", "success", "widest fan-out", "no sub-agent", "finished", "critical steps", "vs serial"],
         rows,
     )

@@ -43,7 +43,7 @@ of two KDA layers, about 0.04 / 0.06 s for mla / hybrid; one worker process a co
     kimi-hf bench claims recall --quick      # CI's smoke run: a few steps, checks the script, not the claim
     kimi-hf bench claims recall --arms kda gdn --lengths 256 --steps 1500 --seeds 0 --workers 1
 
-Prints the final accuracy and the steps to 90% per model and length (mean ± std (min-max) over the seeds), the
+Prints the final accuracy and the steps to 90% per model and length (mean ± std [min, max] over the seeds), the
 dt_bias comparison, and writes OUT/results.json and OUT/recall.png (accuracy against steps, one panel per length,
 mean over the seeds with their min-max band).
 """
@@ -375,12 +375,12 @@ def main(argv=None):
     Ts = [f"T={T}" for T in lengths]
     if main_arms:
         print_table(
-            f"MQAR accuracy after {args.steps} steps (mean ± std (min-max) over {len(seeds)} seed(s))",
+            f"MQAR accuracy after {args.steps} steps (mean ± std [min, max] over {len(seeds)} seed(s))",
             ["model", "params", *Ts],
             [[label(n), params[n], *(cell([r["final"] for r in of(n, T)]) for T in lengths)] for n in main_arms],
         )
         print_table(
-            f"Steps to {THRESHOLD:.0%} accuracy (mean ± std (min-max) over the seeds that reached it; evaluated every "
+            f"Steps to {THRESHOLD:.0%} accuracy (mean ± std [min, max] over the seeds that reached it; evaluated every "
             f"{args.eval_every} steps)",
             ["model", *Ts],
             [[label(n), *(steps_cell(of(n, T)) for T in lengths)] for n in main_arms],

@@ -54,13 +54,13 @@ def spread(values) -> dict:
 
 
 def cell(values, digits: int = 3) -> str:
-    """A table cell of several seeds' values: `mean ± std (min-max)`; one value alone: the value."""
+    """A table cell of several seeds' values: `mean ± std [min, max]`; one value alone: the value."""
     s = spread(values)
     if s["n"] == 0:
         return "-"
     if s["n"] == 1:
         return f"{s['mean']:.{digits}f}"
-    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+    return f"{s['mean']:.{digits}f} ± {s['std']:.{digits}f} [{s['min']:.{digits}f}, {s['max']:.{digits}f}]"
 
 
 def print_table(title: str, headers: list[str], rows: list[list]) -> None:

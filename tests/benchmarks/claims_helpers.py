@@ -28,10 +28,10 @@ def run_claim(script: Path, *args, timeout: int = 300) -> subprocess.CompletedPr
 
 
 def seeds_mean(cell: str, suffix: str = "") -> float | None:
-    """A seeds cell (`report.cell`): `x` (one seed) or `mean ± std (min-max)`, followed by `suffix`; `-` (no
+    """A seeds cell (`report.cell`): `x` (one seed) or `mean ± std [min, max]`, followed by `suffix`; `-` (no
     value). Its mean, None for `-`."""
     if cell == "-":
         return None
-    m = re.fullmatch(rf"({NUMBER})(?: ± ({NUMBER}) \(({NUMBER})-({NUMBER})\))?{re.escape(suffix)}", cell)
+    m = re.fullmatch(rf"({NUMBER})(?: ± ({NUMBER}) \[({NUMBER}), ({NUMBER})\])?{re.escape(suffix)}", cell)
     assert m, cell
     return float(m.group(1))

@@ -16,7 +16,7 @@ PATTERNS = ["MMMMMMMM", "KMKMKMKM", "KKKMKKKM", "KKKKKKKM", "KKKKKKKK"]
 HEADERS = [
     "| ratio | layers | MLA layers | params | vs 3:1 | s/step (median) | CPU s / run |",
     "| ratio | train loss | val loss | val bits / byte | val perplexity / byte | Kimi Linear train / val ppl |",
-    "| ratio | per seed | mean ± std (min-max) | seeds where 3:1 is lower |",
+    "| ratio | per seed | mean ± std [min, max] | seeds where 3:1 is lower |",
 ]
 
 

@@ -44,7 +44,6 @@ context's seconds and its total. Writes OUT/results.json and OUT/long_context.pn
 outputs/claims/long_context).
 """
 
-
 from __future__ import annotations
 
 import argparse

@@ -262,6 +262,14 @@ class _Common:
     # 2023 or later (transformers' legacy models); ours is new and has no such line: run it
     test_can_init_all_missing_weights_before_2023 = True
 
+    @pytest.fixture(autouse=True)
+    def _seeded_inputs(self):
+        """transformers' testers draw input ids and pixel values from `global_rng`, an unseeded `random.Random()`
+        of test_modeling_common (its `set_seed(42)` seeds the module `random`, not that instance): every run fed
+        other inputs, and a bf16 comparison at 5e-3 (eager vs grouped_mm experts, 2 bf16 steps on 1 element of 1056)
+        failed about one run in many. Seeded per test, a run of the suite is the same as the next."""
+        common.global_rng.seed(0)
+
     @unittest.skip("MLA creates different head dims which avoids invoking the FA backend (as kimi_linear / kimi_k25)")
     def test_sdpa_can_dispatch_on_flash(self):
         pass

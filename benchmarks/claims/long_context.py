@@ -5,14 +5,15 @@ so that cell is marked. Our other decode benchmark (benchmarks/model.py) stops a
 
 What this measures: per-token greedy decode time (B=1) and cache bytes against the context length T, for kimi_hf's
 KimiHybridForCausalLM with Kimi Linear's 3:1 layout (3 KDA + 1 MLA layers) and the same model with 4 MLA layers, at
-T = 1k, 2k, 4k, ..., 1M (2^20; --contexts goes further). Then a fit of each model's ms/token, a + b T, on T >= 64k (relative residuals), the
-ratio it gives at 512k, 1M and T -> inf beside the measured one and the paper's, and a memory-traffic estimate of the
-real 48B config at B=1 (all active weights + the whole cache read once per token; not a measurement).
+T = 1k, 2k, 4k, ..., 1M (2^20; --contexts goes further). Then a fit of each model's ms/token, a + b T, on
+T >= 64k (relative residuals), the ratio it gives at 512k, 1M and T -> inf beside the measured one and the paper's,
+and a memory-traffic estimate of the real 48B config at B=1 (all active weights + the whole cache read once per
+token; not a measurement).
 
 Setup, and why:
 - The model is benchmarks/model.py's (hidden 256, 4 layers, 4 heads, kv_lora_rank 128 + rope 32, KDA 4 heads x 64,
-  8 experts top-2 + 1 shared; fp32, 7.5M parameters): small enough that 1M tokens (and 2M) fit with margin. The all-MLA
-  cache is 4 layers x 160 x 4 B = 2,560 B/token: 2.7 GB at 1M, 5.4 GB at 2M; with the hybrid's (a quarter of it)
+  8 experts top-2 + 1 shared; fp32, 7.5M parameters): small enough that 1M tokens (and 2M) fit with margin. The
+  all-MLA cache is 4 layers x 160 x 4 B = 2,560 B/token: 2.7 GB at 1M, 5.4 GB at 2M; with the hybrid's (a quarter of it)
   and the copies of a decode step, peak RSS is about 4.4 GB at 1M and 8-9 GB at 2M. The script prints the largest
   context the machine would hold (peak RSS extrapolated to 80% of its memory: about 4-5M tokens on 24 GiB).
 - The caches are filled synthetically: decoding costs what the cache's length costs, not what its values are, and

@@ -24,8 +24,9 @@ SwarmRollout; it is a tiny Kimi Linear (one KDA and one MLA layer, hidden 64, 30
   (Kimi K2.5's: per stage, the orchestrator step + the longest sub-agent run) and "vs serial": on the tasks the
   policy solved, the scripted serial agent's critical steps (2 N + 1) / the policy's.
 Why these sizes: the policy learns the plan language from this warm start (about 93% of its sampled plans well
-formed after 300 steps), and 3 seeds x (warm start + 4 arms) take about 30 minutes on one idle core (3,907 s on 2 cores shared with two other claims' workers; --budget 33: 1,338 s) (~90 CPU s a warm
-start, 100-130 an arm; one thread: a model this small gains nothing from more, and loses much on a busy machine);
+formed after 300 steps), and 3 seeds x (warm start + 4 arms) take about 30 minutes on one idle core (~90 CPU s a
+warm start, 100-130 an arm; the full run of 2026-12-05 took 3,907 s on 2 cores shared with two other claims' workers,
+--budget 33 1,338 s; one thread: a model this small gains nothing from more, and loses much on a busy machine);
 the curves settle within the first 40 GRPO steps, the last 80 show what stays once the lambdas are 0.
 
     kimi-hf bench claims parl                 # the full setting: about 30 minutes on 2 idle cores

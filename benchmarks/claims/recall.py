@@ -36,8 +36,9 @@ architectures', not MuonClip's; 2000 steps of 2048 tokens (batch 8 at 256 tokens
 sets the initialisation and the data order; every model of one seed sees the same batches). Gates, decays and the
 KDA state are fp32 (the whole run is). The seeds matter for the per-head gate: with 2 heads, whether one head starts
 with a slow decay is a draw of 2 values (kda draws 64 per layer). These sizes and steps are what 2 CPU cores train in
-about 31 minutes (the full run of 2026-12-05: 3,707 CPU s in the runs): 27 runs of 2000 steps, measured at 0.08-0.10 s of CPU a step (evaluations included) for the models
-of two KDA layers, about 0.04 / 0.06 s for mla / hybrid; one worker process a core, one thread each.
+about 31 minutes (the full run of 2026-12-05: 3,707 CPU s in the runs): 27 runs of 2000 steps, measured at
+0.08-0.10 s of CPU a step (evaluations included) for the models of two KDA layers, about 0.04 / 0.06 s for mla /
+hybrid; one worker process a core, one thread each.
 
     kimi-hf bench claims recall              # the full setting, 2 worker processes (about 31 min on 2 idle cores)
     kimi-hf bench claims recall --quick      # CI's smoke run: a few steps, checks the script, not the claim

@@ -38,12 +38,12 @@ Commands:
 
 Runs go to --jobs worker processes of one thread each (default 2; --quick 1, in this process), slowest first.
 Full setting on 2 idle cores: about 36-46 minutes (the full run of 2026-12-05: 4,314 CPU s in the runs). Measured
-single-threaded (CPU seconds a training step, then an evaluation batch): 0:1 0.42 / 0.11, 1:1 0.64 / 0.18, 3:1
-0.74 / 0.23, 7:1 0.80 / 0.25, 1:0 0.87 / 0.26 (KDA's torch path costs about twice MLA's at 256 bytes); a seed's
-five runs then take about 1,850 CPU s (500 steps and 112 evaluation batches each; 100-step runs measured 104 / 90 /
-46 CPU s for 1:0 / 3:1 / 0:1 against 100 / 85 / 47 predicted), three seeds 5,550 CPU s, i.e. about 46 minutes on two workers. Writes OUT/results.json and
-OUT/hybrid_ratio.png (validation curves per ratio, mean over seeds with the min-max band; final validation loss,
-mean ± std and each seed).
+single-threaded (CPU seconds a training step, then an evaluation batch): 0:1 0.42 / 0.11, 1:1 0.64 / 0.18, 3:1 0.74 /
+0.23, 7:1 0.80 / 0.25, 1:0 0.87 / 0.26 (KDA's torch path costs about twice MLA's at 256 bytes); a seed's five runs
+then take about 1,850 CPU s (500 steps and 112 evaluation batches each; 100-step runs measured 104 / 90 / 46 CPU s for
+1:0 / 3:1 / 0:1 against 100 / 85 / 47 predicted), three seeds 5,550 CPU s, i.e. about 46 minutes on two workers.
+Writes OUT/results.json and OUT/hybrid_ratio.png (validation curves per ratio, mean over seeds with the min-max band;
+final validation loss, mean ± std and each seed).
 
 Does 3:1 win at this scale? The script prints its verdict from the data: the ratio with the lowest mean validation
 loss, and in how many seeds 3:1 beats each other ratio. Calibration at 100 steps, seed 0 only (not the result):

@@ -13,7 +13,8 @@ SFTTrainer renders the chats with K3's template, trains on the assistant's token
 template's generation markers), packs documents into rows (`bfd`: each document's positions restart, which K3 reads
 as document boundaries) and evaluates the held-out file. Rows with `images` (file paths, relative to the data file;
 `{"type": "image"}` parts in the messages) go through K3's processor and TRL's vision collator instead, unpacked.
-Pipeline stages, tensor parallelism with LoRA and context parallelism are the library trainer's (`kimi-hf finetune`); accelerate's context parallelism shards SDPA only.
+Pipeline stages, tensor parallelism with LoRA and context parallelism are the library trainer's (`kimi-hf finetune`);
+accelerate's context parallelism shards SDPA only.
 
 Rank 0 prints one JSON line per step, {"step": i, "loss": x}, and per evaluation, {"step": i, "eval_loss": x}.
 """

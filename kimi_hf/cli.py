@@ -63,7 +63,7 @@ BENCHMARKS = {
 # against that folder's scripts with a __main__ block
 CLAIMS = {
     "parl": "a PARL orchestrator trained with GRPO: serial collapse, spurious parallelism, critical steps",
-    "recall": "per-channel (KDA) vs per-head (Gated DeltaNet's) forgetting vs MLA on synthetic recall (MQAR, ...)",
+    "recall": "per-channel (KDA) vs per-head (Gated DeltaNet's) forgetting vs MLA on synthetic recall (MQAR, Palindrome)",
     "hybrid-ratio": "KDA : MLA ratios 0:1, 1:1, 3:1, 7:1, 1:0 at equal size and steps: validation loss",
     "long-context": "decode time and cache bytes against context length: the 3:1 hybrid vs all-MLA",
 }

@@ -47,7 +47,6 @@ outputs/claims/long_context).
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 import os
@@ -60,7 +59,16 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # report.py, benchmarks/common.py (report.py adds the checkout)
 
 from common import HYBRID_SIZE, QUIET_HINT, Timing, spread_cell, spread_warning, warn  # noqa: E402
-from report import cell, claim_parser, print_table, save_plot, seeds_of, spread, write_results  # noqa: E402
+from report import (  # noqa: E402
+    cell,
+    claim_parser,
+    positive_int,
+    print_table,
+    save_plot,
+    seeds_of,
+    spread,
+    write_results,
+)
 
 
 FULL_CONTEXTS = [2**k for k in range(10, 21)]  # 1k .. 1M: the paper's 1M point measured, not extrapolated
@@ -81,13 +89,6 @@ CONV_FILL_CHUNK = 4096  # tokens per update_conv_state call of the synthetic fil
 # and the step's fresh allocations are mmap'd, so the cost per cached token is that of memory (below, it is lower)
 FIT_FROM = 65536
 RAM_SHARE = 0.8  # "holds": the measured peak RSS, extrapolated linearly, under this share of the machine's memory
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def parse_args(argv=None):

@@ -299,7 +299,7 @@ def run_seed(setting: Setting, seed: int, out: str, eval_prompts: list[str], bud
 
 
 def fmt(m: dict) -> str:
-    return ", ".join(f"{k} {m[k]:.2f}" for k in METRICS)
+    return ", ".join(f"{k} {fixed(m[k])}" for k in METRICS)
 
 
 # ---- the report ------------------------------------------------------------------------------------------------
@@ -322,6 +322,11 @@ def mean(per_seed, arm, metric) -> float:
     return statistics.fmean(vs) if vs else math.nan
 
 
+def fixed(value: float, digits: int = 2) -> str:
+    """A number for a table, "-" for nan (a fraction of runs where no sub-agent ran, say)."""
+    return "-" if math.isnan(value) else f"{value:.{digits}f}"
+
+
 def claims(per_seed: list[dict], serial: dict) -> list[list[str]]:
     """Each claim: what reproducing it means here, what we measured (seeds' means), reproduced or not."""
     m = lambda arm, metric: mean(per_seed, arm, metric)  # noqa: E731
@@ -332,14 +337,15 @@ def claims(per_seed: list[dict], serial: dict) -> list[list[str]]:
         [
             "without r_parallel: serial collapse",
             "no-r_parallel episodes without a sub-agent >= 0.5, and 0.2 above full PARL's",
-            f"{collapse:.2f} (full PARL {full_serial:.2f}, warm start {m(None, 'serial'):.2f})",
+            f"{fixed(collapse)} (full PARL {fixed(full_serial)}, warm start {fixed(m(None, 'serial'))})",
             "yes" if collapse >= 0.5 and collapse >= full_serial + 0.2 else "no",
         ],
         [
             "without r_finish: spurious parallelism",
             "no-r_finish finished fraction 0.1 below full PARL's, at >= 0.8 of its fan-out",
-            f"{spurious:.2f} finished, fan-out {m('no r_finish', 'width'):.1f} (full PARL {full_finished:.2f}, "
-            f"{m('full PARL', 'width'):.1f}; r_perf only {m('r_perf only', 'finished'):.2f})",
+            f"{fixed(spurious)} finished, fan-out {fixed(m('no r_finish', 'width'), 1)} (full PARL "
+            f"{fixed(full_finished)}, {fixed(m('full PARL', 'width'), 1)}; r_perf only "
+            f"{fixed(m('r_perf only', 'finished'))})",
             "yes"
             if spurious <= full_finished - 0.1 and m("no r_finish", "width") >= 0.8 * m("full PARL", "width")
             else "no",
@@ -461,8 +467,7 @@ def main(argv=None) -> dict:
         got = {metric: dict(zip(*curve(per_seed, arm, metric, window))) for metric in METRICS}
         for step in checkpoints(setting.grpo_steps):
             curve_rows.append(
-                [arm, str(step)]
-                + [f"{got[metric].get(step, math.nan):.2f}" for metric in METRICS if metric != "serial"]
+                [arm, str(step)] + [fixed(got[metric].get(step, math.nan)) for metric in METRICS if metric != "serial"]
             )
     print_table(
         f"Over training (each step's batch of {setting.prompts} x {setting.generations} plans, seeds' mean over the "

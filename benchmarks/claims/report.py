@@ -13,6 +13,7 @@ command line, the seeds' spread as a table cell, the markdown table, the results
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
@@ -36,6 +37,17 @@ def claim_parser(name: str, description: str | None, seeds: int = 3):
     p.add_argument("--out", default=os.path.join("outputs", "claims", name), help="results.json and the plot")
     p.set_defaults(_default_seeds=list(range(seeds)))
     return p
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count (steps, lengths, workers): an integer above 0; argparse names the flag in the error."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def seeds_of(args) -> list[int]:
@@ -85,4 +97,4 @@ def write_results(out_dir: str, payload: dict) -> str:
     return atomic_write(path, json.dumps(payload, indent=1, sort_keys=True) + "\n")
 
 
-__all__ = ["cell", "claim_parser", "print_table", "save_plot", "seeds_of", "spread", "write_results"]
+__all__ = ["cell", "claim_parser", "positive_int", "print_table", "save_plot", "seeds_of", "spread", "write_results"]

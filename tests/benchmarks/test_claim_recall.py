@@ -1,5 +1,6 @@
 """benchmarks/claims/recall.py (`kimi-hf bench claims recall`): its MQAR batches hold what they say (every query's
-target is its key's value), its per-head variant of KDA's gate really shares one decay per head (and only the gate
+target is its key's value), so do its Palindrome batches (the symbols, noise, the separator, the reversal as targets),
+its per-head variant of KDA's gate really shares one decay per head (and only the gate
 differs from KDA), and its --quick smoke prints well-formed tables (one row per model, numbers that parse),
 results.json and the plot; bad arguments give a one-line usage error. The claim itself is not asserted: three steps
 say nothing about it."""
@@ -26,8 +27,7 @@ from kimi_hf.ops.kda import kda_gate  # noqa: E402
 
 LABELS = [recall.ARMS[n][0] for n in ("kda", "gdn", "mla", "hybrid")]
 HEADERS = [
-    "| model | params | T=256 | T=512 |",
-    "| model | T=256 | T=512 |",
+    *["| model | params | T=256 | T=512 |", "| model | T=256 | T=512 |"] * 2,  # MQAR's, then Palindrome's
     "| dt_bias init | final accuracy | steps to 90% |",
 ]
 
@@ -65,6 +65,27 @@ def test_mqar_batch_asks_the_pairs_keys_among_noise_and_targets_their_values():
         assert ((rest >= recall.NOISE0) & (rest < recall.NOISE0 + recall.N_NOISE)).all()  # the rest is noise
     again = recall.mqar_batch(torch.Generator().manual_seed(0), 3, 64, 8)
     assert all(torch.equal(a, b) for a, b in zip((x, query, values), again))  # seeded
+
+
+def test_palindrome_batch_holds_the_symbols_noise_the_separator_and_the_reversal_as_targets():
+    gen = torch.Generator().manual_seed(0)
+    x, query, targets = recall.palindrome_batch(gen, 3, 40, 8)
+    assert x.shape == query.shape == (3, 40) and targets.shape == (3 * 8,)
+    assert (query.sum(1) == 8).all() and query[:, 32:].all()  # answers from the separator (position 40 - 8) on
+    for b in range(3):
+        symbols = x[b, :8].tolist()
+        assert all(recall.KEY0 <= s < recall.KEY0 + recall.N_KEYS for s in symbols)
+        gap = x[b, 8:32]
+        assert ((gap >= recall.NOISE0) & (gap < recall.NOISE0 + recall.N_NOISE)).all()
+        assert x[b, 32] == recall.SEPARATOR and not recall.NOISE0 <= recall.SEPARATOR < recall.KEY0 + recall.N_KEYS
+        assert targets[8 * b : 8 * (b + 1)].tolist() == symbols[::-1]  # c_N .. c_1
+        assert x[b, 33:].tolist() == symbols[::-1][:-1]  # teacher forcing: the answer so far is the input
+    pure, _, _ = recall.palindrome_batch(gen, 2, 16, 8)  # no room for noise: the paper's palindrome
+    assert (pure[:, 8] == recall.SEPARATOR).all() and pure[:, :8].lt(recall.NOISE0).all()
+    again = recall.palindrome_batch(torch.Generator().manual_seed(0), 3, 40, 8)
+    assert all(torch.equal(a, b) for a, b in zip((x, query, targets), again))  # seeded
+    with pytest.raises(ValueError, match="do not fit in 15 tokens"):
+        recall.palindrome_batch(gen, 1, 15, 8)
 
 
 def gates(model):
@@ -125,13 +146,16 @@ def test_quick_prints_one_row_a_model_with_numbers_that_parse(quick):
     stdout, _ = quick
     tables = markdown_tables(stdout)
     assert [header for header, _ in tables] == HEADERS, stdout
-    (_, accuracy), (_, steps), (_, dt_bias) = tables
-    assert [row[0] for row in accuracy] == [row[0] for row in steps] == LABELS
-    for row in accuracy:
-        assert int(row[1]) > 0
-        assert all(0.0 <= seeds_mean(c) <= 1.0 for c in row[2:]), row
-    for row in steps:
-        assert all(steps_value(c) is None or steps_value(c) >= 1 for c in row[1:]), row
+    *per_task, (_, dt_bias) = tables
+    titles = re.findall(r"^\*\*(.+?)\*\*$", stdout, flags=re.M)
+    assert [t.split()[0].rstrip(":") for t in titles] == ["MQAR", "MQAR", "Palindrome", "Palindrome", "KDA's"], titles
+    for (_, accuracy), (_, steps) in zip(per_task[::2], per_task[1::2]):
+        assert [row[0] for row in accuracy] == [row[0] for row in steps] == LABELS
+        for row in accuracy:
+            assert int(row[1]) > 0
+            assert all(0.0 <= seeds_mean(c) <= 1.0 for c in row[2:]), row
+        for row in steps:
+            assert all(steps_value(c) is None or steps_value(c) >= 1 for c in row[1:]), row
     assert [row[0].split(":")[0] for row in dt_bias] == ["Kimi Linear's", "zeros"]
     for row in dt_bias:
         assert 0.0 <= seeds_mean(row[1]) <= 1.0 and (steps_value(row[2]) or 1) >= 1, row
@@ -141,10 +165,14 @@ def test_quick_writes_results_json_and_the_plot(quick):
     _, out = quick
     results = json.loads((out / "results.json").read_text())
     assert results["claim"] == "recall" and results["setup"]["quick"] is True
-    assert set(results["summary"]) == set(recall.ALL_ARMS)
-    assert set(results["summary"]["kda"]) == {"256", "512"} and set(results["summary"]["kda-dt0"]) == {"256"}
-    runs = {(r["arm"], r["T"], r["seed"]) for r in results["runs"]}
-    assert runs == {(a, T, 0) for a in recall.ARMS for T in (256, 512)} | {("kda-dt0", 256, 0)}
+    mqar, palindrome = results["summary"]["mqar"], results["summary"]["palindrome"]
+    assert set(results["summary"]) == {"mqar", "palindrome"} and set(palindrome) == set(recall.ARMS)
+    assert set(mqar) == set(recall.ALL_ARMS)  # the dt_bias ablation runs on MQAR, at the first length
+    assert set(mqar["kda"]) == set(palindrome["kda"]) == {"256", "512"} and set(mqar["kda-dt0"]) == {"256"}
+    assert results["setup"]["tasks"]["palindrome"]["size"] == {"256": 128, "512": 256}  # half the sequence
+    runs = {(r["task"], r["arm"], r["T"], r["seed"]) for r in results["runs"]}
+    every = {(task, a, T, 0) for task in ("mqar", "palindrome") for a in recall.ARMS for T in (256, 512)}
+    assert runs == every | {("mqar", "kda-dt0", 256, 0)}
     for r in results["runs"]:
         assert r["curve"] and all(0.0 <= a <= 1.0 for _, a in r["curve"]) and r["final"] == r["curve"][-1][1]
     for name, n in results["setup"]["params"].items():
@@ -159,10 +187,13 @@ def test_quick_writes_results_json_and_the_plot(quick):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--steps", "0"], "--steps: expected a positive integer"),
+        (["--steps", "0"], "--steps: must be a positive integer, got 0"),
+        (["--lengths", "x"], "--lengths: must be a positive integer, got x"),
         (["--arms", "rwkv"], "invalid choice: 'rwkv'"),
         (["--lengths", "32"], "--lengths must be at least 4 x --pairs"),
         (["--pairs", "65"], "--pairs must be at most 64"),
+        (["--tasks", "stack"], "invalid choice: 'stack'"),
+        (["--tasks", "palindrome", "--content", "129"], "--lengths must be at least 2 x --content = 258"),
         (["--lr", "nan"], "--lr must be a positive number"),
         (["--batch-tokens", "256"], "--batch-tokens must hold a sequence"),
     ],

@@ -31,14 +31,14 @@ so a longer T means more noise between the pairs and their queries (the claim's 
 Palindrome (as the paper's, which grows the sequence to remember with T): N = T / 2 symbols (of the 64 key tokens,
 drawn with replacement), a separator, then the symbols reversed, teacher-forced: from the separator on each position
 predicts the next symbol of the reversal (N answers a sequence: 128 at 256 tokens, 256 at 512). With 64 symbols a
-symbol repeats within the sequence, so the previous answer alone does not say the next one: the model must know
-where it is, and the layers have no positional encoding but KDA's decays and short convolutions (MLA is NoPE).
+symbol repeats within the sequence (twice on average at 256 tokens), so the previous answer alone is ambiguous:
+position helps, and the layers have none but what KDA's decays and short convolutions make (MLA is NoPE).
 `--content N` fixes N instead and fills the T - 2N tokens between the symbols and the separator with noise.
 Loss: cross-entropy at the query (answer) tokens. Accuracy: the share of answer tokens of a fixed evaluation set (the
 same 128 sequences for every model and seed) predicted right by argmax, every 50 steps; "steps to 90%" is the first
 evaluation at or above 0.9. Calibration (seed 0, one run each): 16 symbols followed by 224 noise tokens learn nothing
-in 600 steps for any model; pure palindromes of 16 / 32 / 64 symbols are learned by KDA and the GDN gate in
-200-800 steps, never by MLA (0.18 after 600 steps at 16 symbols).
+in 600 steps for any model; pure palindromes of 16 / 32 symbols reach 0.94-0.99 in 800 steps with KDA or the GDN
+gate, 64 symbols 0.74 / 0.83 after 800, where MLA reaches 0.18 after 600 steps at 16 symbols.
 
 Training: AdamW (lr 1e-3, betas 0.9 / 0.98, weight decay 0.1 on matrices, 5% warm-up then cosine to 10%, gradient
 clip 1), as the synthetic-recall literature trains (Zoology, Gated DeltaNet), so that the comparison is the
@@ -46,17 +46,18 @@ architectures', not MuonClip's; 2000 steps of 2048 tokens (batch 8 at 256 tokens
 sets the initialisation and the data order; every model of one seed sees the same batches). Gates, decays and the
 KDA state are fp32 (the whole run is). The seeds matter for the per-head gate: with 2 heads, whether one head starts
 with a slow decay is a draw of 2 values (kda draws 64 per layer). These sizes and steps are what 2 CPU cores train in
-about 31 minutes (the full run of 2026-12-05: 3,707 CPU s in the runs): 27 runs of 2000 steps, measured at
-0.08-0.10 s of CPU a step (evaluations included) for the models of two KDA layers, about 0.04 / 0.06 s for mla /
-hybrid; one worker process a core, one thread each.
+about 55 minutes, MQAR and Palindrome together (the full runs of 2026-12-05: MQAR 3,707 CPU s in 27 runs, Palindrome
+2,931 CPU s in 24 runs): 0.07-0.10 s of CPU a step (evaluations included) for the models of two KDA layers, about
+0.04-0.06 s for mla / hybrid; one worker process a core, one thread each.
 
-    kimi-hf bench claims recall              # the full setting, 2 worker processes (about 31 min on 2 idle cores)
-    kimi-hf bench claims recall --quick      # CI's smoke run: a few steps, checks the script, not the claim
+    kimi-hf bench claims recall                     # the full setting, 2 worker processes (about 55 min, 2 idle cores)
+    kimi-hf bench claims recall --tasks palindrome  # one task (Palindrome about 25 min, MQAR about 31)
+    kimi-hf bench claims recall --quick             # CI's smoke run: a few steps, checks the script, not the claim
     kimi-hf bench claims recall --arms kda gdn --lengths 256 --steps 1500 --seeds 0 --workers 1
 
-Prints the final accuracy and the steps to 90% per model and length (mean ± std [min, max] over the seeds), the
-dt_bias comparison, and writes OUT/results.json and OUT/recall.png (accuracy against steps, one panel per length,
-mean over the seeds with their min-max band).
+Prints, for each task, the final accuracy and the steps to 90% per model and length (mean ± std [min, max] over the
+seeds), then the dt_bias comparison (MQAR), and writes OUT/results.json and OUT/recall.png (accuracy against steps, a
+row of panels a task, a panel a length; mean over the seeds with their min-max band).
 """
 
 from __future__ import annotations
@@ -296,8 +297,8 @@ def run_all(jobs: list[dict], workers: int) -> list[dict]:
     def report(r):
         reached = "-" if r["step_to_threshold"] is None else r["step_to_threshold"]
         print(
-            f"# {r['task']} {r['arm']} T={r['T']} seed {r['seed']}: final accuracy {r['final']:.3f}, {THRESHOLD:.0%} at step "
-            f"{reached} ({r['seconds']:.0f} s, {r['cpu_seconds']:.0f} s CPU)",
+            f"# {r['task']} {r['arm']} T={r['T']} seed {r['seed']}: final accuracy {r['final']:.3f}, "
+            f"{THRESHOLD:.0%} at step {reached} ({r['seconds']:.0f} s, {r['cpu_seconds']:.0f} s CPU)",
             flush=True,
         )
         done.append(r)

@@ -346,7 +346,11 @@ def parse_args(argv=None):
     p.add_argument("--eval-seqs", type=positive_int, default=None, help="evaluation sequences (default 128)")
     p.add_argument("--workers", type=positive_int, default=None, help="processes (default 2, --quick 1)")
     args = p.parse_args(argv)
-    args.tasks = args.tasks or list(TASKS)
+    args.tasks = list(dict.fromkeys(args.tasks or TASKS))  # in order, once each
+    args.arms = list(dict.fromkeys(args.arms or ALL_ARMS))
+    args.lengths = list(dict.fromkeys(args.lengths))
+    if "mqar" not in args.tasks and set(args.arms) <= set(ABLATION):
+        p.error(f"--arms {' '.join(args.arms)}: the dt_bias ablation runs on MQAR only (add --tasks mqar or an arm)")
     if not (math.isfinite(args.lr) and args.lr > 0):
         p.error(f"--lr must be a positive number, got {args.lr}")
     if args.hidden % 2:
@@ -369,7 +373,6 @@ def parse_args(argv=None):
     args.eval_every = args.eval_every or (args.steps if args.quick else 50)
     args.eval_seqs = args.eval_seqs or (4 if args.quick else 128)
     args.workers = args.workers or (1 if args.quick else min(2, os.cpu_count() or 1))
-    args.arms = args.arms or list(ALL_ARMS)
     return args
 
 

@@ -193,6 +193,7 @@ def test_quick_writes_results_json_and_the_plot(quick):
         (["--lengths", "32"], "--lengths must be at least 4 x --pairs"),
         (["--pairs", "65"], "--pairs must be at most 64"),
         (["--tasks", "stack"], "invalid choice: 'stack'"),
+        (["--tasks", "palindrome", "--arms", "kda-dt0"], "the dt_bias ablation runs on MQAR only"),
         (["--tasks", "palindrome", "--content", "129"], "--lengths must be at least 2 x --content = 258"),
         (["--lr", "nan"], "--lr must be a positive number"),
         (["--batch-tokens", "256"], "--batch-tokens must hold a sequence"),
@@ -203,6 +204,13 @@ def test_bad_arguments_give_a_one_line_usage_error(args, message, capsys):
         recall.parse_args(args)
     err = capsys.readouterr().err
     assert exit.value.code == 2 and message in err.strip().splitlines()[-1], err
+
+
+def test_repeated_choices_run_once():
+    args = recall.parse_args(
+        ["--tasks", "palindrome", "mqar", "palindrome", "--arms", "gdn", "gdn", "--lengths", "256"]
+    )
+    assert args.tasks == ["palindrome", "mqar"] and args.arms == ["gdn"] and args.lengths == [256]
 
 
 def test_bad_arguments_from_the_command_line():

@@ -139,9 +139,9 @@ def palindrome_batch(gen: torch.Generator, batch: int, T: int, content: int):
     return x, query, reversed_.flatten()
 
 
-# name -> (title, batch function (gen, batch, T, size) -> (input ids, answer mask, targets))
-TASKS = {"mqar": ("MQAR", mqar_batch), "palindrome": ("Palindrome", palindrome_batch)}
-TASK_SEED_OFFSET = {"mqar": 0, "palindrome": 5_000_000}  # MQAR's generators are the ones its published runs used
+# name -> (title, batch function (gen, batch, T, size) -> (input ids, answer mask, targets), the offset of its data
+# seeds: MQAR's 0 keeps the generators its published runs used, Palindrome's keeps its data apart from MQAR's)
+TASKS = {"mqar": ("MQAR", mqar_batch, 0), "palindrome": ("Palindrome", palindrome_batch, 5_000_000)}
 
 
 # --------------------------------------------------------------------------------------------
@@ -242,8 +242,7 @@ def train(job: dict) -> dict:
     torch.set_num_threads(1)  # at these sizes intra-op threads cost more than they give: one process a core
     torch.set_flush_denormal(True)
     T, seed, steps, batch, size = job["T"], job["seed"], job["steps"], job["batch"], job["size"]
-    make_batch = TASKS[job["task"]][1]
-    offset = TASK_SEED_OFFSET[job["task"]]
+    _, make_batch, offset = TASKS[job["task"]]
     model = build(job["name"], job["hidden"], seed).train()
     egen = torch.Generator().manual_seed(123_456 + T + offset)  # the same evaluation set for every arm and seed
     evaluation = [make_batch(egen, batch, T, size) for _ in range(max(1, job["eval_seqs"] // batch))]

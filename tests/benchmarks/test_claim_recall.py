@@ -1,8 +1,8 @@
 """benchmarks/claims/recall.py (`kimi-hf bench claims recall`): its MQAR batches hold what they say (every query's
 target is its key's value), so do its Palindrome batches (the symbols, noise, the separator, the reversal as targets),
-its per-head variant of KDA's gate really shares one decay per head (and only the gate
-differs from KDA), and its --quick smoke prints well-formed tables (one row per model, numbers that parse),
-results.json and the plot; bad arguments give a one-line usage error. The claim itself is not asserted: three steps
+its per-head variant of KDA's gate really shares one decay per head (and only the gate differs from KDA), and its
+--quick smoke prints well-formed tables (one row per model, numbers that parse), results.json and the plot; bad
+arguments give a one-line usage error. The claim itself is not asserted: three steps
 say nothing about it."""
 
 import json
